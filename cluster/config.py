@@ -1,0 +1,146 @@
+"""The one user-facing configuration: a YAML file validated by pydantic.
+
+The same file drives ``moe-cluster serve`` and the KubeRay ``RayService`` in ``k8s/``.
+Unknown keys are errors at every level, so a typo fails at load, not at 3 a.m.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+
+DEFAULT_TINY_MODEL_DIR = ".models/tiny-deepseek-v2"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    path: str = Field(
+        DEFAULT_TINY_MODEL_DIR,
+        description="Hugging Face checkpoint directory (DeepSeek-V2/V3 architecture). "
+        "Relative paths are resolved against the working directory at load.",
+    )
+    served_name: str = Field(
+        "tiny-deepseek-v2",
+        min_length=1,
+        description="Model name clients pass in OpenAI requests and see in model info.",
+    )
+    build_tiny_if_missing: bool = Field(
+        False,
+        description="Write the built-in tiny DeepSeek-V2 checkpoint at `path` when the "
+        "directory does not exist yet.",
+    )
+
+
+class EngineConfig(_Strict):
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weight and activation dtype passed to vLLM."
+    )
+    max_model_len: int = Field(
+        2048, gt=0, description="Context length in tokens (prompt plus output)."
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        None,
+        gt=0,
+        description="KV cache size per engine in bytes; overrides "
+        "gpu_memory_utilization. On CPU this is host memory.",
+    )
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="Fraction of accelerator memory for the engine; on vLLM's CPU "
+        "backend the fraction of host memory for the KV cache (keep it small there).",
+    )
+    max_num_seqs: int = Field(64, gt=0, description="Most sequences in one batch.")
+    block_size: int = Field(16, gt=0, description="Tokens per KV block (page).")
+    tensor_parallel_size: int = Field(1, gt=0, description="Tensor-parallel ranks.")
+    enforce_eager: bool = Field(
+        False, description="Disable graph capture (faster start, slower decode on GPU)."
+    )
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse KV blocks of shared prompt prefixes in the engine."
+    )
+    cpu_omp_threads_bind: str = Field(
+        "nobind",
+        description="vLLM CPU backend: VLLM_CPU_OMP_THREADS_BIND for each engine "
+        "('nobind', 'auto', or cores such as '0-1'). 'nobind' lets the OS spread "
+        "replicas that share a node.",
+    )
+    omp_num_threads: int | None = Field(
+        None, gt=0, description="OMP_NUM_THREADS for each engine process (CPU backend)."
+    )
+
+
+class DeploymentConfig(_Strict):
+    num_replicas: int = Field(2, ge=1, description="Engine replicas.")
+    num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per replica.")
+    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs reserved per replica.")
+    max_ongoing_requests: int = Field(
+        64, gt=0, description="Requests one engine replica accepts at a time."
+    )
+    max_queued_requests: int = Field(
+        256,
+        ge=-1,
+        description="Requests waiting for an engine replica beyond which new ones "
+        "are refused with RESOURCE_EXHAUSTED / 429 (-1: unbounded).",
+    )
+    health_check_period_s: float = Field(
+        5.0, gt=0, description="How often Serve checks that the engine is alive."
+    )
+    health_check_timeout_s: float = Field(
+        30.0, gt=0, description="A health check slower than this fails."
+    )
+
+
+class ServerConfig(_Strict):
+    host: str = Field("127.0.0.1", description="Address the HTTP proxy binds.")
+    http_port: int = Field(8000, gt=0, lt=65536, description="OpenAI HTTP port.")
+    grpc_port: int = Field(9000, gt=0, lt=65536, description="gRPC port.")
+    api_keys: list[SecretStr] = Field(
+        default_factory=list,
+        description="Accepted API keys ('Authorization: Bearer KEY' on HTTP and gRPC "
+        "metadata). Empty: no authentication.",
+    )
+    max_prompt_bytes: int = Field(
+        1 << 20,
+        gt=0,
+        description="Largest prompt text (or chat messages) accepted, in bytes.",
+    )
+    app_name: str = Field("moe-cluster", min_length=1, description="Serve app name.")
+
+
+class ClusterConfig(_Strict):
+    """Everything `moe-cluster serve` needs."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+
+    @model_validator(mode="after")
+    def _ports_differ(self) -> ClusterConfig:
+        if self.server.http_port == self.server.grpc_port:
+            raise ValueError("server.http_port and server.grpc_port must differ")
+        return self
+
+    def resolved(self) -> ClusterConfig:
+        """A copy whose model path is absolute (replicas run in other directories)."""
+        path = str(Path(self.model.path).expanduser().resolve())
+        return self.model_copy(
+            update={"model": self.model.model_copy(update={"path": path})}
+        )
+
+
+def load_config(path: str | Path) -> ClusterConfig:
+    """Reads and validates a YAML config; raises ValueError naming the bad key."""
+    text = Path(path).read_text()
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    return ClusterConfig.model_validate(data)

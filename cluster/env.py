@@ -1,0 +1,25 @@
+"""Every environment variable moe-cluster reads, typed, defaulted and documented."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Env:
+    # gRPC address `moe-cluster generate` and `info` talk to.
+    target: str = "127.0.0.1:9000"
+    # API key the CLI presents ("Authorization: Bearer KEY"); empty: none.
+    api_key: str = ""
+    # Config file `moe-cluster serve` loads when --config is not given.
+    config: str = ""
+
+
+def read_env() -> Env:
+    default = Env()
+    return Env(
+        target=os.environ.get("MOE_CLUSTER_TARGET", default.target),
+        api_key=os.environ.get("MOE_CLUSTER_API_KEY", default.api_key),
+        config=os.environ.get("MOE_CLUSTER_CONFIG", default.config),
+    )

@@ -1,0 +1,85 @@
+"""A byte-level BPE tokenizer trained locally for the tiny model (no model hub)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+
+@dataclass(frozen=True, slots=True)
+class SpecialToken:
+    id: int
+    text: str
+
+
+BOS = SpecialToken(0, "<｜begin▁of▁sentence｜>")
+EOS = SpecialToken(1, "<｜end▁of▁sentence｜>")
+PAD = SpecialToken(2, "<｜pad｜>")
+SPECIAL_TOKENS = (BOS, EOS, PAD)
+
+# DeepSeek-V2-Chat's layout: "User: ...\n\nAssistant: ...<eos>", system text first.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] + '\\n\\n' }}"
+    "{% elif message['role'] == 'user' %}{{ 'User: ' + message['content'] + '\\n\\n' }}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{{ 'Assistant: ' + message['content'] + eos_token }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+_WORDS = (
+    "the of and to in is that for it as with was on be by this are from at or an "
+    "model expert experts router token tokens cache page pages replica replicas "
+    "request requests stream latency deadline queue priority realtime background "
+    "normal serve serving cluster node nodes ray engine vllm deepseek mixture "
+    "attention latent prefix hello world user assistant system you we they what "
+    "how why when where which who can will would should could may might must data "
+    "time first last next fast slow large small more less one two three four five"
+).split()
+
+
+def _corpus() -> list[str]:
+    # Deterministic text covering words, digits, punctuation and whitespace shapes.
+    lines = []
+    n = len(_WORDS)
+    for i in range(4000):
+        words = [_WORDS[(i * 7 + j * 13 + (i // n)) % n] for j in range(3 + i % 9)]
+        line = " ".join(words)
+        if i % 5 == 0:
+            line = line.capitalize() + f" {i}."
+        elif i % 7 == 0:
+            line += f", {i % 97}: {words[0]}?"
+        lines.append(line)
+    return lines
+
+
+def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """Trains the byte-level BPE; the same vocab_size always gives the same result."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[t.text for t in SPECIAL_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok,
+        bos_token=BOS.text,
+        eos_token=EOS.text,
+        pad_token=PAD.text,
+        model_max_length=1 << 20,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast

@@ -1,0 +1,64 @@
+"""Builds the Serve application and the proxy options from one ClusterConfig."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ray.serve.config import HTTPOptions, gRPCOptions
+from ray.serve.deployment import Application
+
+from cluster.config import ClusterConfig
+from cluster.tiny_model import write_tiny_model
+from deployments.engine import EngineDeployment, engine_env
+from deployments.ingress import Ingress
+
+GRPC_SERVICERS = [
+    "deployments.grpc_api.add_inference_servicer",
+    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+]
+
+
+def prepare_model(config: ClusterConfig) -> ClusterConfig:
+    """Resolves the model path, writing the built-in tiny model there if asked."""
+    config = config.resolved()
+    path = Path(config.model.path)
+    if not (path / "config.json").exists():
+        if not config.model.build_tiny_if_missing:
+            raise FileNotFoundError(f"model.path {path} holds no config.json")
+        write_tiny_model(path)
+    return config
+
+
+def build_app(config: ClusterConfig) -> Application:
+    d = config.deployment
+    engine = EngineDeployment.options(
+        num_replicas=d.num_replicas,
+        max_ongoing_requests=d.max_ongoing_requests,
+        max_queued_requests=d.max_queued_requests,
+        health_check_period_s=d.health_check_period_s,
+        health_check_timeout_s=d.health_check_timeout_s,
+        ray_actor_options={
+            "num_cpus": d.num_cpus,
+            "num_gpus": d.num_gpus,
+            "runtime_env": {"env_vars": engine_env(config.engine)},
+        },
+    ).bind(config)
+    # The ingress only parses and relays: it takes no CPU from the engines.
+    return Ingress.options(
+        max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0}
+    ).bind(config, engine)
+
+
+def app_builder(args: dict[str, Any]) -> Application:
+    """Entry for `serve run` / RayService `import_path: deployments.app:app_builder`;
+    ``args`` is the ClusterConfig mapping."""
+    return build_app(prepare_model(ClusterConfig.model_validate(args)))
+
+
+def proxy_options(config: ClusterConfig) -> tuple[HTTPOptions, gRPCOptions]:
+    s = config.server
+    return (
+        HTTPOptions(host=s.host, port=s.http_port),
+        gRPCOptions(port=s.grpc_port, grpc_servicer_functions=GRPC_SERVICERS),
+    )

@@ -1,0 +1,172 @@
+"""``moe-cluster``: serve, generate, info, make-tiny-model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from cluster.config import DEFAULT_TINY_MODEL_DIR, ClusterConfig, load_config
+from cluster.env import read_env
+
+DEFAULT_CONFIG = (
+    Path(__file__).resolve().parent.parent / "cluster" / "configs" / "tiny-cpu.yaml"
+)
+
+
+def _config(path: str | None) -> ClusterConfig:
+    chosen = path or read_env().config or str(DEFAULT_CONFIG)
+    return load_config(chosen)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app, prepare_model, proxy_options
+
+    config = prepare_model(_config(args.config))
+    started = time.monotonic()
+    ray.init(address=args.address, namespace="moe-cluster")
+    http, grpc_options = proxy_options(config)
+    serve.start(http_options=http, grpc_options=grpc_options)
+    serve.run(build_app(config), name=config.server.app_name, route_prefix="/")
+    s = config.server
+    print(
+        f"moe-cluster is serving {config.model.served_name!r} "
+        f"({config.deployment.num_replicas} engine replicas, "
+        f"ready in {time.monotonic() - started:.0f} s)\n"
+        f"  gRPC   {s.host}:{s.grpc_port}  moecluster.v1.Inference, grpc.health.v1, "
+        "reflection\n"
+        f"  HTTP   http://{s.host}:{s.http_port}/v1  (OpenAI: /models, /completions, "
+        "/chat/completions)\n\n"
+        "Try:\n"
+        '  .venv/bin/moe-cluster generate "hello"\n'
+        f"  curl http://{s.host}:{s.http_port}/v1/completions -H 'Content-Type: "
+        f'application/json\' -d \'{{"model": "{config.model.served_name}", '
+        '"prompt": "hello", "max_tokens": 16}\'\n'
+        "Ctrl-C stops the cluster.",
+        flush=True,
+    )
+    if args.no_block:
+        return 0
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        serve.shutdown()
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from deployments.client import InferenceClient
+    from deployments.proto import inference_pb2 as pb
+
+    env = read_env()
+    client = InferenceClient(args.target or env.target, args.api_key or env.api_key)
+    sampling = pb.SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature
+    )
+    request = pb.GenerateRequest(
+        text=args.prompt,
+        sampling=sampling,
+        qos=pb.QoS.Value(args.qos.upper()),
+        deadline_ms=args.deadline_ms,
+        tenant=args.tenant,
+    )
+    try:
+        for msg in client.generate(request):
+            if msg.HasField("chunk"):
+                sys.stdout.write(msg.chunk.text)
+                sys.stdout.flush()
+            else:
+                f = msg.finished
+                print(
+                    f"\n[{f.finish_reason}: {f.prompt_tokens} prompt + "
+                    f"{f.completion_tokens} completion tokens, {f.cached_tokens} "
+                    f"cached, replica {f.replica_id}]",
+                    file=sys.stderr,
+                )
+    except grpc.RpcError as e:
+        print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from google.protobuf.json_format import MessageToJson
+
+    from deployments.client import InferenceClient
+
+    env = read_env()
+    client = InferenceClient(args.target or env.target, args.api_key or env.api_key)
+    print(MessageToJson(client.model_info(), always_print_fields_with_no_presence=True))
+    return 0
+
+
+def cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from cluster.tiny_model import checkpoint_digest, write_tiny_model
+
+    out = Path(args.out)
+    if (out / "config.json").exists() and not args.force:
+        print(f"{out} already holds a model (use --force to rewrite)")
+        return 0
+    write_tiny_model(out)
+    digest = checkpoint_digest(out)[:16]
+    print(f"wrote the tiny DeepSeek-V2 checkpoint to {out} (sha256 {digest})")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moe-cluster", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="start a local Ray cluster serving the config")
+    s.add_argument("--config", help=f"YAML config (default: {DEFAULT_CONFIG.name})")
+    s.add_argument("--address", default=None, help="existing Ray cluster to join")
+    s.add_argument("--no-block", action="store_true", help="return once serving")
+    s.set_defaults(func=cmd_serve)
+
+    for name, func, help_ in (
+        ("generate", cmd_generate, "stream a completion over gRPC to stdout"),
+        ("info", cmd_info, "print the served model's info"),
+    ):
+        g = sub.add_parser(name, help=help_)
+        g.add_argument(
+            "--target", default="", help="gRPC host:port (default 127.0.0.1:9000)"
+        )
+        g.add_argument("--api-key", default="")
+        g.set_defaults(func=func)
+        if name == "generate":
+            g.add_argument("prompt")
+            g.add_argument("--max-tokens", type=int, default=64)
+            g.add_argument("--temperature", type=float, default=0.0)
+            g.add_argument(
+                "--qos", choices=["realtime", "normal", "background"], default="normal"
+            )
+            g.add_argument("--deadline-ms", type=int, default=0)
+            g.add_argument("--tenant", default="")
+
+    m = sub.add_parser("make-tiny-model", help="write the built-in tiny checkpoint")
+    m.add_argument("--out", default=DEFAULT_TINY_MODEL_DIR)
+    m.add_argument("--force", action="store_true")
+    m.set_defaults(func=cmd_make_tiny_model)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"moe-cluster: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

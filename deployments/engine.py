@@ -1,0 +1,185 @@
+"""One engine replica: a vLLM ``AsyncLLM`` with priority scheduling.
+
+``VLLMEngine`` owns the engine and speaks the ``protocol`` dataclasses;
+``EngineDeployment`` is the thin Ray Serve shell around it. vLLM is imported here
+and in no module the ingress loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from ray import serve
+
+from cluster.config import ClusterConfig, EngineConfig
+from deployments.protocol import (
+    EngineEvent,
+    EngineRequest,
+    EngineStats,
+    Finish,
+    Sampling,
+    Started,
+    TokenDelta,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger("moe_cluster.engine")
+
+
+def engine_env(config: EngineConfig) -> dict[str, str]:
+    """Environment the engine's processes need (set before vLLM spawns them)."""
+    env = {"VLLM_CPU_OMP_THREADS_BIND": config.cpu_omp_threads_bind}
+    if config.omp_num_threads is not None:
+        env["OMP_NUM_THREADS"] = str(config.omp_num_threads)
+    return env
+
+
+def engine_args(model_path: str, served_name: str, config: EngineConfig) -> Any:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs(
+        model=model_path,
+        served_model_name=[served_name],
+        dtype=config.dtype,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        block_size=config.block_size,
+        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        tensor_parallel_size=config.tensor_parallel_size,
+        enforce_eager=config.enforce_eager,
+        enable_prefix_caching=config.enable_prefix_caching,
+        scheduling_policy="priority",
+        disable_log_stats=True,
+    )
+
+
+def sampling_params(s: Sampling) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=s.seed,
+        stop=list(s.stop) or None,
+        stop_token_ids=list(s.stop_token_ids) or None,
+        ignore_eos=s.ignore_eos,
+        output_kind=RequestOutputKind.DELTA,
+        detokenize=True,
+    )
+
+
+class VLLMEngine:
+    """Streams ``EngineEvent``s for ``EngineRequest``s from one ``AsyncLLM``.
+
+    Invariant: every stream opens with ``Started`` and ends with exactly one
+    ``Finish``, unless the engine fails (the stream raises); a stream whose
+    consumer goes away (cancellation) aborts its engine request before returning.
+    """
+
+    def __init__(self, engine: AsyncLLM, replica_id: str) -> None:
+        self._engine = engine
+        self.replica_id = replica_id
+        self._running: set[str] = set()
+
+    @classmethod
+    def start(cls, config: ClusterConfig, replica_id: str) -> VLLMEngine:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        os.environ.update(engine_env(config.engine))
+        args = engine_args(config.model.path, config.model.served_name, config.engine)
+        return cls(AsyncLLM.from_engine_args(args), replica_id)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
+        from vllm.inputs import TokensPrompt
+
+        rid = request.request_id
+        self._running.add(rid)
+        completion = 0
+        finished = False
+        try:
+            outputs = self._engine.generate(
+                TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)),
+                sampling_params(request.sampling),
+                rid,
+                priority=int(request.qos),
+            )
+            yield Started(self.replica_id)
+            async for out in outputs:
+                seq = out.outputs[0]
+                if seq.token_ids:
+                    completion += len(seq.token_ids)
+                    yield TokenDelta(tuple(seq.token_ids), seq.text)
+                if out.finished:
+                    finished = True
+                    yield Finish(
+                        reason=_finish_reason(seq.finish_reason),
+                        prompt_tokens=len(request.prompt_token_ids),
+                        completion_tokens=completion,
+                        cached_tokens=out.num_cached_tokens or 0,
+                        replica_id=self.replica_id,
+                    )
+        finally:
+            self._running.discard(rid)
+            if not finished:
+                # Consumer cancelled or closed the stream: free the engine slot.
+                await self._engine.abort(rid)
+
+    async def abort(self, request_id: str) -> None:
+        await self._engine.abort(request_id)
+
+    async def check_health(self) -> None:
+        """Raises when the engine core is dead."""
+        await self._engine.check_health()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            replica_id=self.replica_id,
+            running=self._engine.get_num_unfinished_requests(),
+            request_ids=tuple(sorted(self._running)),
+        )
+
+    def shutdown(self) -> None:
+        self._engine.shutdown()
+
+
+def _finish_reason(reason: str | None) -> Any:
+    # vLLM says "stop" for EOS/stop strings, "length" for max_tokens, "abort".
+    return reason if reason in ("stop", "length", "abort") else "stop"
+
+
+@serve.deployment(name="Engine")
+class EngineDeployment:
+    """Ray Serve shell of one ``VLLMEngine``; Serve restarts it when unhealthy."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        replica_id = serve.get_replica_context().replica_id.unique_id
+        self._engine = VLLMEngine.start(config, replica_id)
+        logger.info("engine replica %s ready", replica_id)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
+        async for event in self._engine.generate(request):
+            yield event
+
+    async def abort(self, request_id: str) -> None:
+        await self._engine.abort(request_id)
+
+    async def stats(self) -> EngineStats:
+        return self._engine.stats()
+
+    async def check_health(self) -> None:
+        await asyncio.wait_for(self._engine.check_health(), timeout=10)
+
+    def __del__(self) -> None:
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.shutdown()

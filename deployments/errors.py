@@ -1,0 +1,61 @@
+"""Client-visible failures and their gRPC and HTTP status codes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from deployments.validation import InvalidRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    grpc_code: grpc.StatusCode
+    http_status: int
+    openai_type: str
+
+
+class ServiceError(Exception):
+    """An error with a message fit for the client (no internals)."""
+
+    status = Status(grpc.StatusCode.INTERNAL, 500, "internal_error")
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Unauthenticated(ServiceError):
+    status = Status(grpc.StatusCode.UNAUTHENTICATED, 401, "authentication_error")
+
+
+class AlreadyInFlight(ServiceError):
+    status = Status(grpc.StatusCode.ALREADY_EXISTS, 409, "invalid_request_error")
+
+
+class NotFound(ServiceError):
+    status = Status(grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error")
+
+
+class DeadlineMissed(ServiceError):
+    status = Status(grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout_error")
+
+
+class Overloaded(ServiceError):
+    status = Status(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error")
+
+
+class EngineUnavailable(ServiceError):
+    status = Status(grpc.StatusCode.UNAVAILABLE, 503, "server_error")
+
+
+INVALID = Status(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error")
+
+
+def status_of(exc: BaseException) -> Status:
+    if isinstance(exc, InvalidRequest):
+        return INVALID
+    if isinstance(exc, ServiceError):
+        return exc.status
+    return ServiceError.status

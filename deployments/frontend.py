@@ -1,0 +1,209 @@
+"""What the ingress does for every request, whatever the protocol.
+
+Authenticates, tokenizes, opens the engine stream, keeps the in-flight table that
+``Abort`` uses, enforces the time-to-first-token deadline and turns engine and
+Serve failures into client-facing ``ServiceError``s. Independent of Serve's
+ingress wiring: the engine is reached through an injected ``open_stream``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from ray.serve.exceptions import BackPressureError, RequestCancelledError
+
+from deployments.errors import (
+    AlreadyInFlight,
+    DeadlineMissed,
+    EngineUnavailable,
+    Overloaded,
+    Unauthenticated,
+)
+from deployments.protocol import EngineEvent, EngineRequest, Finish, Started, TokenDelta
+from deployments.validation import InvalidRequest, Limits
+
+logger = logging.getLogger("moe_cluster.ingress")
+
+OVERLOAD_RETRY_S = 1.0
+
+
+class EngineStream(Protocol):
+    def __aiter__(self) -> AsyncIterator[EngineEvent]: ...
+    def cancel(self) -> None: ...
+
+
+OpenStream = Callable[[EngineRequest], EngineStream]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What clients may ask about the served model (read from config.json)."""
+
+    name: str
+    architecture: str
+    max_context: int
+    vocab_size: int
+    num_layers: int
+    num_moe_layers: int
+    num_routed_experts: int
+    num_shared_experts: int
+    experts_per_token: int
+    num_expert_groups: int
+    topk_groups: int
+
+    @classmethod
+    def from_checkpoint(cls, path: str, name: str, max_model_len: int) -> ModelFacts:
+        cfg: dict[str, Any] = json.loads((Path(path) / "config.json").read_text())
+        layers = int(cfg["num_hidden_layers"])
+        routed = int(cfg.get("n_routed_experts") or 0)
+        dense = int(cfg.get("first_k_dense_replace", 0)) if routed else layers
+        return cls(
+            name=name,
+            architecture=(cfg.get("architectures") or ["unknown"])[0],
+            max_context=min(max_model_len, int(cfg["max_position_embeddings"])),
+            vocab_size=int(cfg["vocab_size"]),
+            num_layers=layers,
+            num_moe_layers=layers - dense,
+            num_routed_experts=routed,
+            num_shared_experts=int(cfg.get("n_shared_experts") or 0),
+            experts_per_token=int(cfg.get("num_experts_per_tok") or 0),
+            num_expert_groups=int(cfg.get("n_group") or 1),
+            topk_groups=int(cfg.get("topk_group") or 1),
+        )
+
+
+class Frontend:
+    def __init__(
+        self,
+        *,
+        tokenizer: Any,
+        facts: ModelFacts,
+        limits: Limits,
+        api_keys: Iterable[str],
+        open_stream: OpenStream,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.facts = facts
+        self.limits = limits
+        self._api_keys = tuple(k.encode() for k in api_keys)
+        self._open_stream = open_stream
+        self._inflight: dict[str, EngineStream] = {}
+        self._aborted: set[str] = set()
+
+    # -- admission -----------------------------------------------------------
+
+    def authenticate(self, authorization: str | None) -> None:
+        """Accepts ``Bearer KEY`` (or a bare key) when keys are configured."""
+        if not self._api_keys:
+            return
+        if not authorization:
+            raise Unauthenticated("missing API key (Authorization: Bearer KEY)")
+        presented = authorization.removeprefix("Bearer ").strip().encode()
+        # compare_digest against every key: timing reveals nothing about which.
+        if not any([hmac.compare_digest(presented, k) for k in self._api_keys]):
+            raise Unauthenticated("invalid API key")
+
+    def encode_text(self, text: str) -> list[int]:
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids
+
+    def encode_chat(self, messages: Sequence[dict[str, str]], field: str) -> list[int]:
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                list(messages),
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        except Exception as e:  # a template raising on odd input is a client error
+            raise InvalidRequest(
+                field, f"chat template rejected the messages: {e}"
+            ) from None
+        return [int(t) for t in ids]
+
+    # -- streaming -----------------------------------------------------------
+
+    async def stream(
+        self, request: EngineRequest, deadline_s: float | None = None
+    ) -> AsyncIterator[EngineEvent]:
+        """Engine events of ``request``; ends with one ``Finish`` or raises.
+
+        ``deadline_s`` bounds the wait for the first token. An ``abort`` ends the
+        stream with ``Finish(reason="abort")``.
+        """
+        rid = request.request_id
+        if rid in self._inflight:
+            raise AlreadyInFlight(f"request_id {rid!r} is already in flight")
+        stream = self._open_stream(request)
+        self._inflight[rid] = stream
+        events = aiter(stream)
+        replica = ""
+        completion = 0
+        done = False
+        try:
+            first_token = deadline_s is not None
+            while True:
+                try:
+                    if first_token:
+                        event = await asyncio.wait_for(anext(events), deadline_s)
+                    else:
+                        event = await anext(events)
+                except StopAsyncIteration:
+                    break
+                if isinstance(event, Started):
+                    replica = event.replica_id
+                elif isinstance(event, TokenDelta):
+                    first_token = False
+                    completion += len(event.token_ids)
+                elif isinstance(event, Finish):
+                    done = True
+                yield event
+            if not done:
+                raise EngineUnavailable("engine stream ended without finishing")
+        except (RequestCancelledError, asyncio.CancelledError):
+            if rid not in self._aborted:
+                raise
+            done = True
+            yield Finish("abort", len(request.prompt_token_ids), completion, 0, replica)
+        except TimeoutError:
+            raise DeadlineMissed(
+                f"no first token within deadline_ms={int(deadline_s * 1000)}"
+                if deadline_s is not None
+                else "deadline exceeded"
+            ) from None
+        except BackPressureError:
+            raise Overloaded(
+                "all engine replicas are at capacity; retry later",
+                retry_after_s=OVERLOAD_RETRY_S,
+            ) from None
+        except (InvalidRequest, AlreadyInFlight):
+            raise
+        except Exception as e:
+            logger.warning("request %s failed on replica %r: %r", rid, replica, e)
+            raise EngineUnavailable(
+                "the engine replica serving this request failed; retry"
+            ) from None
+        finally:
+            self._inflight.pop(rid, None)
+            self._aborted.discard(rid)
+            if not done:
+                stream.cancel()
+
+    def abort(self, request_id: str) -> bool:
+        """Cancels an in-flight request; False when none has that id."""
+        stream = self._inflight.get(request_id)
+        if stream is None:
+            return False
+        self._aborted.add(request_id)
+        stream.cancel()
+        return True
+
+    def in_flight(self) -> list[str]:
+        return sorted(self._inflight)

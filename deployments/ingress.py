@@ -1,0 +1,372 @@
+"""The ingress deployment: gRPC ``moecluster.v1.Inference`` + health, and OpenAI HTTP.
+
+One deployment behind both Ray Serve proxies (gRPC methods by name, HTTP through
+FastAPI). Everything protocol-independent lives in ``Frontend``; this module maps
+protocols onto it and failures onto status codes, never onto stack traces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from grpc_health.v1 import health_pb2
+from ray import serve
+from ray.serve.grpc_util import RayServegRPCContext
+from ray.serve.handle import DeploymentHandle
+
+from cluster.config import ClusterConfig
+from deployments import grpc_api, openai_api, validation
+from deployments.errors import ServiceError, status_of
+from deployments.frontend import Frontend, ModelFacts
+from deployments.grpc_api import MalformedRequest
+from deployments.openai_api import ChatCompletionRequest, CompletionRequest
+from deployments.proto import inference_pb2 as pb
+from deployments.protocol import EngineEvent, EngineRequest, Finish, TokenDelta
+
+logger = logging.getLogger("moe_cluster.ingress")
+app = FastAPI(title="moe-cluster", docs_url=None, redoc_url=None)
+HEALTH_PROBE_TIMEOUT_S = 5.0
+
+
+class StreamFailed(Exception):
+    """Ends a gRPC stream whose status is already set on the context.
+
+    NOTE: Serve sends the gRPC context back only with each yielded message, so a
+    status set on a stream is lost unless the method raises; Serve then carries
+    the code and details set on the context to the client.
+    """
+
+
+def _client_message(exc: BaseException) -> str:
+    if isinstance(exc, (validation.InvalidRequest, ServiceError)):
+        return str(exc)
+    return "internal error"
+
+
+# NOTE: helpers precede the class: @serve.ingress serializes it when applied.
+async def _first_output(events: AsyncIterator[EngineEvent]) -> EngineEvent:
+    async for event in events:
+        if isinstance(event, (TokenDelta, Finish)):
+            return event
+    raise ServiceError("engine stream ended without output")
+
+
+async def _collect(
+    first: EngineEvent, events: AsyncIterator[EngineEvent]
+) -> tuple[str, Finish]:
+    parts: list[str] = []
+    event = first
+    while not isinstance(event, Finish):
+        if isinstance(event, TokenDelta):
+            parts.append(event.text)
+        event = await anext(events)
+    return "".join(parts), event
+
+
+async def _sse(
+    shape: openai_api.ResponseShape,
+    first: EngineEvent,
+    events: AsyncIterator[EngineEvent],
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    if shape.chat:
+        yield openai_api.sse(shape.role_chunk())
+    event: EngineEvent | None = first
+    try:
+        while event is not None:
+            if isinstance(event, TokenDelta) and event.text:
+                yield openai_api.sse(shape.chunk(event.text))
+            elif isinstance(event, Finish):
+                yield openai_api.sse(shape.chunk("", event.reason))
+                if include_usage:
+                    yield openai_api.sse(shape.usage_chunk(event))
+                break
+            event = await anext(events, None)
+    except Exception as e:
+        status = status_of(e)
+        yield openai_api.sse(openai_api.error_body(status, _client_message(e), None))
+    yield openai_api.sse("[DONE]")
+
+
+@serve.deployment(name="Ingress")
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, config: ClusterConfig, engine: DeploymentHandle) -> None:
+        from transformers import AutoTokenizer
+
+        self._config = config
+        self._engine = engine
+        facts = ModelFacts.from_checkpoint(
+            config.model.path, config.model.served_name, config.engine.max_model_len
+        )
+        self.frontend = Frontend(
+            tokenizer=AutoTokenizer.from_pretrained(config.model.path),
+            facts=facts,
+            limits=validation.Limits(
+                max_model_len=facts.max_context,
+                vocab_size=facts.vocab_size,
+                max_prompt_bytes=config.server.max_prompt_bytes,
+            ),
+            api_keys=[k.get_secret_value() for k in config.server.api_keys],
+            open_stream=self._open_stream,
+        )
+
+    def _open_stream(self, request: EngineRequest) -> Any:
+        return self._engine.options(stream=True).generate.remote(request)
+
+    async def _engines_alive(self) -> bool:
+        try:
+            await asyncio.wait_for(
+                self._engine.stats.remote(), timeout=HEALTH_PROBE_TIMEOUT_S
+            )
+            return True
+        except Exception:
+            return False
+
+    # -- gRPC: moecluster.v1.Inference ---------------------------------------
+
+    def _grpc_auth(self, ctx: RayServegRPCContext) -> None:
+        metadata = dict(ctx.invocation_metadata())
+        self.frontend.authenticate(metadata.get("authorization"))
+
+    @staticmethod
+    def _grpc_fail(ctx: RayServegRPCContext, exc: BaseException) -> None:
+        status = status_of(exc)
+        if status.grpc_code == grpc.StatusCode.INTERNAL:
+            logger.exception("internal error", exc_info=exc)
+        ctx.set_code(status.grpc_code)
+        details = _client_message(exc)
+        retry = getattr(exc, "retry_after_s", None)
+        if retry is not None:
+            ctx.set_trailing_metadata([("retry-after-ms", str(int(retry * 1000)))])
+            details += f" (retry after {retry:g} s)"
+        ctx.set_details(details)
+
+    async def Generate(
+        self, request: Any, grpc_context: RayServegRPCContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            self._grpc_auth(grpc_context)
+            if isinstance(request, MalformedRequest):
+                raise validation.InvalidRequest("request", request.message)
+            req, deadline = grpc_api.engine_request(request, self.frontend)
+            async for event in self.frontend.stream(req, deadline):
+                if isinstance(event, TokenDelta):
+                    yield grpc_api.chunk_message(req.request_id, event)
+                elif isinstance(event, Finish):
+                    yield grpc_api.finished_message(req.request_id, event)
+        except Exception as e:
+            self._grpc_fail(grpc_context, e)
+            raise StreamFailed(grpc_context.details()) from None
+
+    async def Abort(
+        self, request: Any, grpc_context: RayServegRPCContext
+    ) -> pb.AbortResponse:
+        try:
+            self._grpc_auth(grpc_context)
+            if isinstance(request, MalformedRequest):
+                raise validation.InvalidRequest("request", request.message)
+            rid = validation.request_id(request.request_id)
+            return pb.AbortResponse(found=self.frontend.abort(rid))
+        except Exception as e:
+            self._grpc_fail(grpc_context, e)
+            return pb.AbortResponse()
+
+    async def GetModelInfo(
+        self, request: Any, grpc_context: RayServegRPCContext
+    ) -> pb.ModelInfo:
+        try:
+            self._grpc_auth(grpc_context)
+            return grpc_api.model_info(
+                self.frontend.facts, self._config.deployment.num_replicas
+            )
+        except Exception as e:
+            self._grpc_fail(grpc_context, e)
+            return pb.ModelInfo()
+
+    # -- gRPC: grpc.health.v1.Health -----------------------------------------
+
+    async def _health_status(self, service: str) -> int | None:
+        if service not in ("", grpc_api.SERVICE):
+            return None
+        if await self._engines_alive():
+            return health_pb2.HealthCheckResponse.SERVING
+        return health_pb2.HealthCheckResponse.NOT_SERVING
+
+    async def Check(
+        self, request: Any, grpc_context: RayServegRPCContext
+    ) -> health_pb2.HealthCheckResponse:
+        status = await self._health_status(request.service)
+        if status is None:
+            grpc_context.set_code(grpc.StatusCode.NOT_FOUND)
+            grpc_context.set_details(f"unknown service {request.service!r}")
+            return health_pb2.HealthCheckResponse()
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(
+        self, request: Any, grpc_context: RayServegRPCContext
+    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        last = None
+        while True:
+            status = await self._health_status(request.service)
+            if status is None:
+                status = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+            if status != last:
+                yield health_pb2.HealthCheckResponse(status=status)
+                last = status
+            await asyncio.sleep(1.0)
+
+    # -- OpenAI HTTP ---------------------------------------------------------
+
+    @staticmethod
+    def _http_error(exc: BaseException) -> JSONResponse:
+        status = status_of(exc)
+        if status.http_status >= 500 and not isinstance(exc, ServiceError):
+            logger.exception("internal error", exc_info=exc)
+        param = getattr(exc, "field", None)
+        headers = {}
+        retry = getattr(exc, "retry_after_s", None)
+        if retry is not None:
+            headers["Retry-After"] = str(max(1, round(retry)))
+        body = openai_api.error_body(status, _client_message(exc), param)
+        return JSONResponse(body, status_code=status.http_status, headers=headers)
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        try:
+            self.frontend.authenticate(request.headers.get("authorization"))
+        except ServiceError as e:
+            return self._http_error(e)
+        facts = self.frontend.facts
+        card = {
+            "id": facts.name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "moe-cluster",
+            "max_model_len": facts.max_context,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        ok = await self._engines_alive()
+        return JSONResponse(
+            {"status": "ok" if ok else "unavailable"}, 200 if ok else 503
+        )
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._openai(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._openai(request, "chat")
+
+    async def _openai(self, request: Request, kind: str) -> Response:
+        try:
+            self.frontend.authenticate(request.headers.get("authorization"))
+            body = await request.body()
+            limit = self._config.server.max_prompt_bytes + 64 * 1024
+            if len(body) > limit:
+                raise validation.InvalidRequest(
+                    "body", f"is {len(body)} bytes; the limit is {limit}"
+                )
+            req, engine_req, deadline = self._openai_request(body, kind)
+            shape = openai_api.ResponseShape(
+                "chat" if kind == "chat" else "completion",
+                engine_req.request_id,
+                self.frontend.facts.name,
+            )
+            events = self.frontend.stream(engine_req, deadline)
+            # Wait for the first token before answering, so that overload, a
+            # missed deadline or a dead engine still get a proper status code.
+            first = await _first_output(events)
+        except Exception as e:
+            return self._http_error(e)
+        if req.stream:
+            return StreamingResponse(
+                _sse(shape, first, events, req.include_usage()),
+                media_type="text/event-stream",
+            )
+        try:
+            text, finish = await _collect(first, events)
+        except Exception as e:
+            return self._http_error(e)
+        return JSONResponse(shape.full(text, finish))
+
+    def _openai_request(
+        self, body: bytes, kind: str
+    ) -> tuple[Any, EngineRequest, float | None]:
+        fe = self.frontend
+        limits = fe.limits
+        req: Any
+        if kind == "chat":
+            req = openai_api.parse(ChatCompletionRequest, body)
+            messages = [m.model_dump() for m in req.messages]
+            size = sum(
+                len(m["content"].encode("utf-8", "surrogatepass")) for m in messages
+            )
+            for i, m in enumerate(messages):
+                validation.prompt_text(
+                    m["content"] or " ", limits, f"messages[{i}].content"
+                )
+            if size > limits.max_prompt_bytes:
+                raise validation.InvalidRequest(
+                    "messages",
+                    f"are {size} bytes; the limit is {limits.max_prompt_bytes}",
+                )
+            ids = fe.encode_chat(messages, "messages")
+            prompt_field = "messages"
+            max_tokens = req.max_completion_tokens or req.max_tokens
+        else:
+            req = openai_api.parse(CompletionRequest, body)
+            prompt = req.prompt
+            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+                raise validation.InvalidRequest("prompt", "one prompt per request")
+            if isinstance(prompt, str):
+                validation.prompt_text(prompt, limits, "prompt")
+                ids = fe.encode_text(prompt)
+            else:
+                ids = list(validation.token_ids(prompt, limits, "prompt"))
+            if not ids:
+                raise validation.InvalidRequest("prompt", "tokenizes to no tokens")
+            prompt_field = "prompt"
+            max_tokens = req.max_tokens
+            if max_tokens is None:
+                room = limits.max_model_len - len(ids)
+                max_tokens = min(openai_api.DEFAULT_COMPLETION_MAX_TOKENS, max(room, 1))
+        if req.model != fe.facts.name:
+            raise validation.InvalidRequest(
+                "model",
+                f"unknown model {req.model!r}; this server serves {fe.facts.name!r}",
+            )
+        bad = req.unsupported()
+        if bad:
+            raise validation.InvalidRequest(bad, "is not supported by this server")
+        validation.prompt_fits(len(ids), limits, prompt_field)
+        sampling = validation.sampling(
+            prompt_tokens=len(ids),
+            limits=limits,
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            seed=req.seed,
+            stop=req.stop_list(),
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+        )
+        engine_req = EngineRequest(
+            validation.request_id(req.request_id),
+            tuple(ids),
+            sampling,
+            openai_api.qos_of(req),
+            validation.tenant(req.tenant),
+        )
+        return req, engine_req, (req.deadline_ms / 1000 if req.deadline_ms else None)

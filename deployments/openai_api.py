@@ -1,0 +1,191 @@
+"""OpenAI-compatible request models and response shapes (no I/O here).
+
+Requests accept OpenAI's fields plus three extensions: ``qos``, ``deadline_ms``
+and ``tenant``. Fields that would change the meaning of the answer and are not
+implemented (``n`` > 1, ``logprobs``, ``echo``, ``tools`` ...) are rejected with
+400 rather than ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from deployments import validation
+from deployments.errors import Status
+from deployments.protocol import Finish
+from router.qos import QoS
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class _Request(BaseModel):
+    # Unknown fields are ignored as OpenAI clients send many optional ones.
+    model_config = ConfigDict(extra="ignore", strict=False)
+
+    model: str
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    n: int = 1
+    logprobs: Any = None
+    top_logprobs: Any = None
+    tools: Any = None
+    user: str | None = None
+    qos: Literal["realtime", "normal", "background"] = "normal"
+    deadline_ms: int = Field(0, ge=0)
+    tenant: str = ""
+    request_id: str = ""
+
+    def unsupported(self) -> str | None:
+        if self.n != 1:
+            return "n"
+        if self.logprobs not in (None, False, 0):
+            return "logprobs"
+        if self.top_logprobs not in (None, 0):
+            return "top_logprobs"
+        if self.tools:
+            return "tools"
+        return None
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> str | None:
+        if self.echo:
+            return "echo"
+        if self.suffix:
+            return "suffix"
+        if self.best_of not in (None, 1):
+            return "best_of"
+        return super().unsupported()
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+def parse(model: type[BaseModel], body: bytes) -> Any:
+    """Parses a JSON body into ``model``; InvalidRequest names the bad field."""
+    try:
+        data = json.loads(body.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise validation.InvalidRequest("body", "is not valid UTF-8") from None
+    except json.JSONDecodeError as e:
+        raise validation.InvalidRequest("body", f"is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise validation.InvalidRequest("body", "must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "body"
+        raise validation.InvalidRequest(field, err["msg"]) from None
+
+
+def qos_of(req: _Request) -> QoS:
+    return QoS.parse(req.qos)
+
+
+def error_body(status: Status, message: str, param: str | None) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": status.openai_type,
+            "param": param,
+            "code": status.http_status,
+        }
+    }
+
+
+def usage(f: Finish) -> dict[str, Any]:
+    return {
+        "prompt_tokens": f.prompt_tokens,
+        "completion_tokens": f.completion_tokens,
+        "total_tokens": f.prompt_tokens + f.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": f.cached_tokens},
+    }
+
+
+class ResponseShape:
+    """Builds completion or chat-completion JSON objects for one request."""
+
+    def __init__(self, kind: Literal["completion", "chat"], rid: str, model: str):
+        self.chat = kind == "chat"
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + rid
+        self.model = model
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def chunk(self, text: str, finish: str | None = None) -> dict[str, Any]:
+        if self.chat:
+            delta = {"content": text} if text else {}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            return self._envelope("chat.completion.chunk", [choice])
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return self._envelope("text_completion", [choice])
+
+    def role_chunk(self) -> dict[str, Any]:
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}}
+        return self._envelope(
+            "chat.completion.chunk", [choice | {"finish_reason": None}]
+        )
+
+    def usage_chunk(self, f: Finish) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._envelope(obj, []) | {"usage": usage(f)}
+
+    def full(self, text: str, f: Finish) -> dict[str, Any]:
+        if self.chat:
+            message = {"role": "assistant", "content": text}
+            choice = {"index": 0, "message": message, "finish_reason": f.reason}
+            body = self._envelope("chat.completion", [choice])
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None}
+            body = self._envelope(
+                "text_completion", [choice | {"finish_reason": f.reason}]
+            )
+        return body | {"usage": usage(f)}
+
+
+def sse(obj: dict[str, Any] | str) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()

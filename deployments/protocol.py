@@ -1,0 +1,73 @@
+"""The contract between the ingress and the engine replicas.
+
+Plain frozen dataclasses: they cross Ray process boundaries and import neither
+vLLM nor protobuf, so the ingress never loads the engine's dependencies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from router.qos import QoS
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """Validated sampling parameters (see ``validation.py`` for the bounds)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: Sampling
+    qos: QoS = QoS.NORMAL
+    tenant: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """First event of every stream: the engine replica accepted the request."""
+
+    replica_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """New tokens of one request and their text (incrementally detokenized)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """Last event of every stream."""
+
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    replica_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    replica_id: str
+    running: int  # requests the engine holds (scheduled or waiting)
+    request_ids: tuple[str, ...] = field(default=())
+
+
+EngineEvent = Started | TokenDelta | Finish

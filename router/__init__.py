@@ -1,0 +1,1 @@
+"""Admission and placement: QoS classes, and (growing here) the DeepSeekRouter."""

@@ -1,0 +1,111 @@
+"""One real Ray cluster with the moe-cluster app, shared by every integration test.
+
+Two vLLM engine replicas on the tiny model (one CPU each), the gRPC and HTTP
+proxies on free loopback ports, an API key configured so authentication is on.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cluster.config import ClusterConfig
+from deployments.client import InferenceClient
+
+API_KEY = "test-key-123"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Served:
+    config: ClusterConfig
+    grpc_target: str
+    http_base: str
+    api_key: str
+
+    def client(self, api_key: str | None = None) -> InferenceClient:
+        return InferenceClient(
+            self.grpc_target, self.api_key if api_key is None else api_key
+        )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/integration/" in str(item.fspath):
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+def served(tiny_model: Path) -> Iterator[Served]:
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app, prepare_model, proxy_options
+
+    config = prepare_model(
+        ClusterConfig.model_validate(
+            {
+                "model": {"path": str(tiny_model)},
+                "engine": {
+                    "dtype": "float32",
+                    "max_model_len": 512,
+                    "kv_cache_memory_bytes": 64 << 20,
+                    "max_num_seqs": 16,
+                    "enforce_eager": True,
+                    "omp_num_threads": 1,
+                },
+                "deployment": {
+                    "num_replicas": 2,
+                    "num_cpus": 1,
+                    "health_check_period_s": 2,
+                },
+                "server": {
+                    "http_port": _free_port(),
+                    "grpc_port": _free_port(),
+                    "api_keys": [API_KEY],
+                    "max_prompt_bytes": 4096,
+                    "app_name": "moe-cluster-test",
+                },
+            }
+        )
+    )
+    ray.init(num_cpus=2, include_dashboard=False, namespace="moe-cluster-test")
+    http, grpc_options = proxy_options(config)
+    serve.start(http_options=http, grpc_options=grpc_options)
+    serve.run(build_app(config), name=config.server.app_name, route_prefix="/")
+    s = config.server
+    yield Served(
+        config, f"127.0.0.1:{s.grpc_port}", f"http://127.0.0.1:{s.http_port}", API_KEY
+    )
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def engine_handle(served: Served) -> Any:
+    from ray import serve
+
+    return serve.get_deployment_handle("Engine", served.config.server.app_name)
+
+
+def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Polls ``condition`` until it returns a truthy value or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.1)

@@ -1,0 +1,114 @@
+"""OpenAI-compatible HTTP through Ray Serve's proxy, driven by the `openai` package."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from cluster.tiny_model import greedy_chain, greedy_successors
+from tests.integration.conftest import Served
+
+MODEL = "tiny-deepseek-v2"
+
+
+@pytest.fixture(scope="module")
+def client(served: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served.http_base}/v1", api_key=served.api_key)
+
+
+@pytest.fixture(scope="module")
+def successor(tiny_model: Path) -> np.ndarray:
+    return greedy_successors(tiny_model)
+
+
+def test_models(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_completion_streams_the_models_greedy_tokens(
+    client: openai.OpenAI, successor: np.ndarray, served: Served
+) -> None:
+    prompt = [410, 465, 14, 318, 496]
+    expected = greedy_chain(successor, prompt[-1], 12)
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finish[-1] == "length" and set(finish[:-1]) == {None}
+    assert len(chunks) >= 3  # streamed, not one blob
+    usage = chunks[-1].usage
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (5, 12)
+    # The streamed text is the expected tokens' text (same as gRPC's detokenizer).
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(served.config.model.path)
+    assert text == tokenizer.decode(expected)
+
+
+def test_completion_without_stream_has_usage(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt="hello world", max_tokens=6)
+    assert r.object == "text_completion"
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage is not None
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (2, 6)
+    assert r.usage.total_tokens == 8
+
+
+def test_chat_completion_applies_the_chat_template(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hello"},
+        ],
+        max_tokens=5,
+        temperature=0,
+    )
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content
+    assert r.usage is not None
+    # BOS + "be brief\n\n" + "User: hello\n\n" + "Assistant:" is more than 6 tokens.
+    assert r.usage.prompt_tokens > 6 and r.usage.completion_tokens == 5
+
+
+def test_chat_stream(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks)
+
+
+def test_http_health(served: Served) -> None:
+    r = httpx.get(f"{served.http_base}/health", timeout=30)
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+def test_missed_deadline_is_504(served: Served) -> None:
+    r = httpx.post(
+        f"{served.http_base}/v1/completions",
+        json={"model": MODEL, "prompt": "hi", "max_tokens": 4, "deadline_ms": 1},
+        headers={"Authorization": f"Bearer {served.api_key}"},
+        timeout=30,
+    )
+    assert r.status_code == 504
+    assert r.json()["error"]["type"] == "timeout_error"
