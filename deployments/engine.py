@@ -146,6 +146,7 @@ class VLLMEngine:
             replica_id=self.replica_id,
             running=self._engine.get_num_unfinished_requests(),
             request_ids=tuple(sorted(self._running)),
+            pid=os.getpid(),
         )
 
     def shutdown(self) -> None:
@@ -167,8 +168,21 @@ class EngineDeployment:
         logger.info("engine replica %s ready", replica_id)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
-        async for event in self._engine.generate(request):
-            yield event
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            async for event in self._engine.generate(request):
+                yield event
+        except EngineDeadError:
+            self._exit_soon()
+            raise
+
+    def _exit_soon(self) -> None:
+        # A dead engine never recovers in-process. Exiting makes Serve route away
+        # and start a replacement at once instead of at the next health check;
+        # the short delay lets this request's error reach the caller first.
+        logger.error("engine of replica %s is dead; exiting", self._engine.replica_id)
+        asyncio.get_running_loop().call_later(0.5, os._exit, 1)
 
     async def abort(self, request_id: str) -> None:
         await self._engine.abort(request_id)

@@ -24,6 +24,7 @@ from deployments.errors import (
     DeadlineMissed,
     EngineUnavailable,
     Overloaded,
+    ServiceError,
     Unauthenticated,
 )
 from deployments.protocol import EngineEvent, EngineRequest, Finish, Started, TokenDelta
@@ -32,6 +33,7 @@ from deployments.validation import InvalidRequest, Limits
 logger = logging.getLogger("moe_cluster.ingress")
 
 OVERLOAD_RETRY_S = 1.0
+OPEN_ATTEMPTS = 3  # engine failures before the first output are retried
 
 
 class EngineStream(Protocol):
@@ -79,6 +81,28 @@ class ModelFacts:
         )
 
 
+class _NotOpen:
+    """Placeholder in the in-flight table while a request's stream opens."""
+
+    def cancel(self) -> None:
+        pass
+
+    def __aiter__(self) -> AsyncIterator[EngineEvent]:
+        raise RuntimeError("not open")
+
+
+_NOT_OPEN = _NotOpen()
+
+
+async def _chain(
+    head: list[EngineEvent], rest: AsyncIterator[EngineEvent]
+) -> AsyncIterator[EngineEvent]:
+    for event in head:
+        yield event
+    async for event in rest:
+        yield event
+
+
 class Frontend:
     def __init__(
         self,
@@ -94,7 +118,7 @@ class Frontend:
         self.limits = limits
         self._api_keys = tuple(k.encode() for k in api_keys)
         self._open_stream = open_stream
-        self._inflight: dict[str, EngineStream] = {}
+        self._inflight: dict[str, EngineStream] = {}  # request id -> open stream
         self._aborted: set[str] = set()
 
     # -- admission -----------------------------------------------------------
@@ -141,26 +165,16 @@ class Frontend:
         rid = request.request_id
         if rid in self._inflight:
             raise AlreadyInFlight(f"request_id {rid!r} is already in flight")
-        stream = self._open_stream(request)
-        self._inflight[rid] = stream
-        events = aiter(stream)
+        self._inflight[rid] = _NOT_OPEN
         replica = ""
         completion = 0
         done = False
         try:
-            first_token = deadline_s is not None
-            while True:
-                try:
-                    if first_token:
-                        event = await asyncio.wait_for(anext(events), deadline_s)
-                    else:
-                        event = await anext(events)
-                except StopAsyncIteration:
-                    break
+            events, head = await self._open(request, deadline_s)
+            async for event in _chain(head, events):
                 if isinstance(event, Started):
                     replica = event.replica_id
                 elif isinstance(event, TokenDelta):
-                    first_token = False
                     completion += len(event.token_ids)
                 elif isinstance(event, Finish):
                     done = True
@@ -174,16 +188,14 @@ class Frontend:
             yield Finish("abort", len(request.prompt_token_ids), completion, 0, replica)
         except TimeoutError:
             raise DeadlineMissed(
-                f"no first token within deadline_ms={int(deadline_s * 1000)}"
-                if deadline_s is not None
-                else "deadline exceeded"
+                f"no first token within deadline_ms={round((deadline_s or 0) * 1000)}"
             ) from None
         except BackPressureError:
             raise Overloaded(
                 "all engine replicas are at capacity; retry later",
                 retry_after_s=OVERLOAD_RETRY_S,
             ) from None
-        except (InvalidRequest, AlreadyInFlight):
+        except (InvalidRequest, ServiceError):
             raise
         except Exception as e:
             logger.warning("request %s failed on replica %r: %r", rid, replica, e)
@@ -191,10 +203,45 @@ class Frontend:
                 "the engine replica serving this request failed; retry"
             ) from None
         finally:
-            self._inflight.pop(rid, None)
+            stream = self._inflight.pop(rid, _NOT_OPEN)
             self._aborted.discard(rid)
             if not done:
                 stream.cancel()
+
+    async def _open(
+        self, request: EngineRequest, deadline_s: float | None
+    ) -> tuple[AsyncIterator[EngineEvent], list[EngineEvent]]:
+        """Opens the engine stream and reads up to its first output.
+
+        Returns the stream's remaining events and those already read. An engine
+        failure before any output is retried on a fresh stream (the handle may
+        pick another replica): nothing has reached the client yet.
+        """
+        rid = request.request_id
+        loop = asyncio.get_running_loop()
+        deadline = None if deadline_s is None else loop.time() + deadline_s
+        for attempt in range(1, OPEN_ATTEMPTS + 1):
+            stream = self._open_stream(request)
+            self._inflight[rid] = stream
+            events = aiter(stream)
+            head: list[EngineEvent] = []
+            try:
+                while not head or isinstance(head[-1], Started):
+                    timeout = None if deadline is None else deadline - loop.time()
+                    head.append(await asyncio.wait_for(anext(events), timeout))
+                return events, head
+            except StopAsyncIteration:
+                return events, head
+            except (RequestCancelledError, BackPressureError, TimeoutError):
+                raise
+            except Exception as e:
+                stream.cancel()
+                if attempt == OPEN_ATTEMPTS or rid in self._aborted:
+                    raise
+                logger.warning(
+                    "request %s: engine failed before output (%r); retrying", rid, e
+                )
+        raise AssertionError("unreachable")
 
     def abort(self, request_id: str) -> bool:
         """Cancels an in-flight request; False when none has that id."""

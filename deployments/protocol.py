@@ -68,6 +68,7 @@ class EngineStats:
     replica_id: str
     running: int  # requests the engine holds (scheduled or waiting)
     request_ids: tuple[str, ...] = field(default=())
+    pid: int = 0  # the replica's process; the engine core is its child
 
 
 EngineEvent = Started | TokenDelta | Finish

@@ -44,6 +44,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "tests/integration/" in str(item.fspath):
             item.add_marker(pytest.mark.integration)
+    # Modules that break the shared cluster (and wait for it to heal) run last.
+    items.sort(key=lambda item: bool(getattr(item.module, "RUN_LAST", False)))
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from cluster.config import ClusterConfig, load_config
+from deployments.cli import DEFAULT_CONFIG
+
+
+def test_example_config_is_what_serve_runs() -> None:
+    config = load_config(DEFAULT_CONFIG)
+    assert config.deployment.num_replicas == 2
+    assert config.deployment.num_cpus == 1
+    assert config.engine.omp_num_threads == 1
+    assert config.model.build_tiny_if_missing
+
+
+@pytest.mark.parametrize(
+    ("data", "where"),
+    [
+        ({"modle": {}}, "modle"),
+        ({"engine": {"max_model_len": 512, "max_modle_len": 1}}, "max_modle_len"),
+        ({"server": {"grpc_prot": 1}}, "grpc_prot"),
+    ],
+)
+def test_unknown_keys_are_errors(data: dict[str, object], where: str) -> None:
+    with pytest.raises(ValidationError, match=where):
+        ClusterConfig.model_validate(data)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"engine": {"max_model_len": 0}},
+        {"engine": {"gpu_memory_utilization": 1.5}},
+        {"deployment": {"num_replicas": 0}},
+        {"server": {"http_port": 9000, "grpc_port": 9000}},
+        {"server": {"grpc_port": 70000}},
+    ],
+)
+def test_bad_values_are_errors(data: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        ClusterConfig.model_validate(data)
+
+
+def test_api_keys_are_secret(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("server:\n  api_keys: [s3cret]\n")
+    config = load_config(f)
+    assert config.server.api_keys[0].get_secret_value() == "s3cret"
+    assert "s3cret" not in repr(config)
+
+
+def test_resolved_makes_the_model_path_absolute() -> None:
+    config = ClusterConfig.model_validate({"model": {"path": "rel/model"}}).resolved()
+    assert Path(config.model.path).is_absolute()
+    assert config.model.path.endswith("rel/model")
+
+
+def test_top_level_must_be_a_mapping(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("- a\n- b\n")
+    with pytest.raises(ValueError, match="mapping"):
+        load_config(f)

@@ -1,0 +1,85 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cluster.tiny_model import (
+    EOS,
+    TinyModelSpec,
+    checkpoint_digest,
+    cycle_order,
+    greedy_chain,
+    greedy_successors,
+    write_tiny_model,
+)
+
+
+def test_the_checkpoint_is_deterministic(tiny_model: Path, tmp_path: Path) -> None:
+    again = write_tiny_model(tmp_path / "again")
+    assert checkpoint_digest(again) == checkpoint_digest(tiny_model)
+
+
+def test_config_has_the_deepseek_v2_moe_shape(tiny_model: Path) -> None:
+    cfg = json.loads((tiny_model / "config.json").read_text())
+    assert cfg["architectures"] == ["DeepseekV2ForCausalLM"]
+    assert cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] == 576  # CPU MLA needs it
+    assert cfg["n_routed_experts"] >= 8 and cfg["num_experts_per_tok"] == 2
+    assert (
+        cfg["topk_method"] == "group_limited_greedy"
+        and cfg["topk_group"] < cfg["n_group"]
+    )
+    assert cfg["n_shared_experts"] == 1
+    assert cfg["num_hidden_layers"] - cfg["first_k_dense_replace"] >= 2
+
+
+def test_tokenizer_round_trips_and_has_a_chat_template(tiny_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    text = "Hello, experts! 42 tokens: café"
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    assert len(tok) == 1024 and tok.eos_token_id == EOS.id
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert prompt.endswith("User: hi\n\nAssistant:")
+
+
+def test_greedy_successor_is_a_single_cycle(tiny_model: Path) -> None:
+    successor = greedy_successors(tiny_model)
+    order = cycle_order(TinyModelSpec(), num_special=3)
+    assert [int(successor[t]) for t in order] == [int(t) for t in np.roll(order, -1)]
+    assert len(set(order.tolist())) == 1024 - 2  # every token but BOS and PAD
+
+
+def test_transformers_greedy_follows_the_cycle_with_wide_margins(
+    tiny_model: Path,
+) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    prompt = [410, 465, 14, 318, 496]
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=24,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    assert out.sequences[0, 5:].tolist() == greedy_chain(
+        greedy_successors(tiny_model), prompt[-1], 24
+    )
+    margins = [float(s[0].topk(2).values.diff().abs()) for s in out.scores]
+    # Float reordering moves logits by ~1e-5; the argmax margin is ~9 nats.
+    assert min(margins) > 5.0
+
+
+def test_spec_rejects_shapes_vllm_cannot_route() -> None:
+    with pytest.raises(ValueError, match="multiple of n_group"):
+        TinyModelSpec(n_routed_experts=10, n_group=4)
+    with pytest.raises(ValueError, match="MoE layer"):
+        TinyModelSpec(num_layers=1, first_k_dense_replace=1)

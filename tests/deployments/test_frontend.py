@@ -1,0 +1,169 @@
+"""Frontend logic against a scripted engine stream (a process boundary)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from ray.serve.exceptions import BackPressureError, RequestCancelledError
+
+from deployments.errors import (
+    AlreadyInFlight,
+    DeadlineMissed,
+    EngineUnavailable,
+    Overloaded,
+    Unauthenticated,
+)
+from deployments.frontend import Frontend, ModelFacts
+from deployments.protocol import (
+    EngineEvent,
+    EngineRequest,
+    Finish,
+    Sampling,
+    Started,
+    TokenDelta,
+)
+from deployments.validation import Limits
+
+FACTS = ModelFacts("m", "DeepseekV2ForCausalLM", 64, 100, 4, 3, 16, 1, 2, 4, 2)
+
+
+class ScriptedStream:
+    """Yields ``script`` items (events, exceptions to raise, or "hang")."""
+
+    def __init__(self, script: list[Any]) -> None:
+        self.script = script
+        self.cancelled = asyncio.Event()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    async def _events(self) -> AsyncIterator[EngineEvent]:
+        for item in self.script:
+            if self.cancelled.is_set():
+                raise RequestCancelledError("x")
+            if item == "hang":
+                await self.cancelled.wait()
+                raise RequestCancelledError("x")
+            if isinstance(item, BaseException):
+                raise item
+            await asyncio.sleep(0)
+            yield item
+
+    def __aiter__(self) -> AsyncIterator[EngineEvent]:
+        return self._events()
+
+
+def make(
+    script: list[Any], *retries: list[Any], keys: tuple[str, ...] = ()
+) -> tuple[Frontend, ScriptedStream]:
+    """A Frontend whose engine plays ``script``, then ``retries`` on reopening."""
+    streams = [ScriptedStream(s) for s in (script, *retries)]
+    opened = iter(streams)
+    fe = Frontend(
+        tokenizer=None,
+        facts=FACTS,
+        limits=Limits(64, 100, 1000),
+        api_keys=keys,
+        open_stream=lambda _req: next(opened),
+    )
+    return fe, streams[0]
+
+
+REQ = EngineRequest("r1", (1, 2, 3), Sampling(max_tokens=4))
+TOKENS = [Started("rep-a"), TokenDelta((5,), "a"), TokenDelta((6, 7), "bc")]
+DONE = Finish("length", 3, 3, 0, "rep-a")
+
+
+async def collect(fe: Frontend, deadline: float | None = None) -> list[EngineEvent]:
+    return [e async for e in fe.stream(REQ, deadline)]
+
+
+async def test_events_pass_through_and_the_request_leaves_the_table() -> None:
+    fe, stream = make([*TOKENS, DONE])
+    assert await collect(fe) == [*TOKENS, DONE]
+    assert fe.in_flight() == [] and not stream.cancelled.is_set()
+
+
+async def test_abort_ends_the_stream_with_an_abort_finish() -> None:
+    fe, stream = make([*TOKENS, "hang"])
+    events = fe.stream(REQ)
+    seen = [await anext(events) for _ in range(3)]
+    assert fe.in_flight() == ["r1"]
+    assert fe.abort("r1") is True
+    rest = [e async for e in events]
+    assert rest == [Finish("abort", 3, 3, 0, "rep-a")]
+    assert seen == TOKENS and stream.cancelled.is_set()
+    assert fe.abort("r1") is False and fe.in_flight() == []
+
+
+async def test_a_missed_first_token_deadline_cancels_the_engine_request() -> None:
+    fe, stream = make([Started("rep-a"), "hang"])
+    with pytest.raises(DeadlineMissed, match="deadline_ms=50"):
+        await collect(fe, deadline=0.05)
+    assert stream.cancelled.is_set() and fe.in_flight() == []
+
+
+async def test_the_deadline_bounds_only_the_first_token() -> None:
+    fe, _ = make([*TOKENS, DONE])
+    assert (await collect(fe, deadline=5.0))[-1] == DONE
+
+
+async def test_backpressure_is_overload_with_a_retry_hint() -> None:
+    fe, _ = make([BackPressureError(num_queued_requests=9, max_queued_requests=8)])
+    with pytest.raises(Overloaded) as e:
+        await collect(fe)
+    assert e.value.retry_after_s == 1.0
+
+
+async def test_a_failure_before_output_is_retried_on_a_new_stream() -> None:
+    dead = [Started("rep-a"), RuntimeError("engine dead")]
+    fe, first = make(dead, [*TOKENS, DONE])
+    assert await collect(fe) == [*TOKENS, DONE]
+    assert first.cancelled.is_set()
+
+
+async def test_repeated_failures_are_unavailable_without_internals() -> None:
+    dead = [Started("rep-a"), RuntimeError("segfault at 0xdead")]
+    fe, stream = make(dead, dead, dead)
+    with pytest.raises(EngineUnavailable) as e:
+        await collect(fe)
+    assert "0xdead" not in str(e.value) and stream.cancelled.is_set()
+    assert fe.in_flight() == []
+
+
+async def test_a_failure_after_output_is_not_retried() -> None:
+    fe, _ = make([*TOKENS, RuntimeError("engine dead")], [*TOKENS, DONE])
+    events = fe.stream(REQ)
+    assert [await anext(events) for _ in range(3)] == TOKENS
+    with pytest.raises(EngineUnavailable):
+        await anext(events)
+
+
+async def test_a_stream_without_finish_is_unavailable() -> None:
+    fe, _ = make(TOKENS)
+    with pytest.raises(EngineUnavailable):
+        await collect(fe)
+
+
+async def test_duplicate_in_flight_ids_are_refused() -> None:
+    fe, _ = make([*TOKENS, "hang"])
+    events = fe.stream(REQ)
+    await anext(events)
+    with pytest.raises(AlreadyInFlight):
+        await collect(fe)
+    fe.abort("r1")
+    assert [e async for e in events][-1].reason == "abort"  # type: ignore[union-attr]
+
+
+def test_authentication() -> None:
+    fe, _ = make([], keys=("k1", "k2"))
+    fe.authenticate("Bearer k2")
+    fe.authenticate("k1")
+    for bad in (None, "", "Bearer nope", "Bearer k1x"):
+        with pytest.raises(Unauthenticated):
+            fe.authenticate(bad)
+    open_fe, _ = make([])
+    open_fe.authenticate(None)

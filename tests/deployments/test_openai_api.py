@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deployments import openai_api
+from deployments.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseShape,
+)
+from deployments.protocol import Finish
+from deployments.validation import InvalidRequest
+
+
+def body(**kw: object) -> bytes:
+    return json.dumps({"model": "m", "prompt": "p"} | kw).encode()
+
+
+def test_parse_and_extensions() -> None:
+    req = openai_api.parse(CompletionRequest, body(qos="background", deadline_ms=30))
+    assert openai_api.qos_of(req).name == "BACKGROUND" and req.deadline_ms == 30
+    assert req.stop_list() == [] and req.unsupported() is None
+    assert openai_api.parse(CompletionRequest, body(stop="x")).stop_list() == ["x"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        (b"\xff", "body"),
+        (b"{", "body"),
+        (b"3", "body"),
+        (json.dumps({"prompt": "p"}).encode(), "model"),
+        (body(max_tokens="x"), "max_tokens"),
+        (body(deadline_ms=-1), "deadline_ms"),
+    ],
+)
+def test_parse_errors_name_the_field(raw: bytes, field: str) -> None:
+    with pytest.raises(InvalidRequest) as e:
+        openai_api.parse(CompletionRequest, raw)
+    assert e.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"n": 3}, "n"),
+        ({"echo": True}, "echo"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"best_of": 2}, "best_of"),
+        ({"tools": [{}]}, "tools"),
+    ],
+)
+def test_unsupported_fields_are_named(kw: dict[str, object], field: str) -> None:
+    assert openai_api.parse(CompletionRequest, body(**kw)).unsupported() == field
+
+
+def test_shapes() -> None:
+    fin = Finish("stop", 3, 2, 1, "r")
+    chat = ResponseShape("chat", "abc", "m")
+    full = chat.full("hi", fin)
+    assert full["id"] == "chatcmpl-abc" and full["object"] == "chat.completion"
+    assert full["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
+    assert full["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 1},
+    }
+    assert chat.chunk("x")["choices"][0]["delta"] == {"content": "x"}
+    text = ResponseShape("completion", "abc", "m")
+    assert text.chunk("", "length")["choices"][0]["finish_reason"] == "length"
+    assert openai_api.sse("[DONE]") == b"data: [DONE]\n\n"
+    req = openai_api.parse(
+        ChatCompletionRequest,
+        json.dumps(
+            {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+        ).encode(),
+    )
+    assert req.messages[0].content == "x"
