@@ -7,12 +7,11 @@ import sys
 import time
 from pathlib import Path
 
+import cluster
 from cluster.config import DEFAULT_TINY_MODEL_DIR, ClusterConfig, load_config
 from cluster.env import read_env
 
-DEFAULT_CONFIG = (
-    Path(__file__).resolve().parent.parent / "cluster" / "configs" / "tiny-cpu.yaml"
-)
+DEFAULT_CONFIG = Path(cluster.__file__).resolve().parent / "configs" / "tiny-cpu.yaml"
 
 
 def _config(path: str | None) -> ClusterConfig:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import grpc
@@ -50,7 +50,7 @@ def _client_message(exc: BaseException) -> str:
 
 
 # NOTE: helpers precede the class: @serve.ingress serializes it when applied.
-async def _first_output(events: AsyncIterator[EngineEvent]) -> EngineEvent:
+async def _first_output(events: AsyncGenerator[EngineEvent, None]) -> EngineEvent:
     async for event in events:
         if isinstance(event, (TokenDelta, Finish)):
             return event
@@ -58,21 +58,24 @@ async def _first_output(events: AsyncIterator[EngineEvent]) -> EngineEvent:
 
 
 async def _collect(
-    first: EngineEvent, events: AsyncIterator[EngineEvent]
+    first: EngineEvent, events: AsyncGenerator[EngineEvent, None]
 ) -> tuple[str, Finish]:
     parts: list[str] = []
     event = first
-    while not isinstance(event, Finish):
-        if isinstance(event, TokenDelta):
-            parts.append(event.text)
-        event = await anext(events)
+    try:
+        while not isinstance(event, Finish):
+            if isinstance(event, TokenDelta):
+                parts.append(event.text)
+            event = await anext(events)
+    finally:
+        await events.aclose()  # leave the in-flight table now, not at GC
     return "".join(parts), event
 
 
 async def _sse(
     shape: openai_api.ResponseShape,
     first: EngineEvent,
-    events: AsyncIterator[EngineEvent],
+    events: AsyncGenerator[EngineEvent, None],
     include_usage: bool,
 ) -> AsyncIterator[bytes]:
     if shape.chat:
@@ -91,6 +94,8 @@ async def _sse(
     except Exception as e:
         status = status_of(e)
         yield openai_api.sse(openai_api.error_body(status, _client_message(e), None))
+    finally:
+        await events.aclose()  # leave the in-flight table now, not at GC
     yield openai_api.sse("[DONE]")
 
 

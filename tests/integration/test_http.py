@@ -112,3 +112,17 @@ def test_missed_deadline_is_504(served: Served) -> None:
     )
     assert r.status_code == 504
     assert r.json()["error"]["type"] == "timeout_error"
+
+
+def test_a_request_id_is_free_again_once_answered(served: Served) -> None:
+    headers = {"Authorization": f"Bearer {served.api_key}"}
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "request_id": "again-1"}
+    for stream in (False, False, True, True, False):
+        r = httpx.post(
+            f"{served.http_base}/v1/completions",
+            json=body | {"stream": stream},
+            headers=headers,
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+        assert r.text.endswith("data: [DONE]\n\n") if stream else r.json()["usage"]
