@@ -9,6 +9,7 @@ ingress wiring: the engine is reached through an injected ``open_stream``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -92,6 +93,13 @@ class _NotOpen:
 
 
 _NOT_OPEN = _NotOpen()
+
+
+def _cancel(stream: EngineStream) -> None:
+    """Best-effort cancel: Serve re-raises a request's assignment failure (e.g.
+    BackPressureError) from ``cancel()`` when there is nothing left to cancel."""
+    with contextlib.suppress(Exception):
+        stream.cancel()
 
 
 async def _chain(
@@ -206,7 +214,7 @@ class Frontend:
             stream = self._inflight.pop(rid, _NOT_OPEN)
             self._aborted.discard(rid)
             if not done:
-                stream.cancel()
+                _cancel(stream)
 
     async def _open(
         self, request: EngineRequest, deadline_s: float | None
@@ -235,7 +243,7 @@ class Frontend:
             except (RequestCancelledError, BackPressureError, TimeoutError):
                 raise
             except Exception as e:
-                stream.cancel()
+                _cancel(stream)
                 if attempt == OPEN_ATTEMPTS or rid in self._aborted:
                     raise
                 logger.warning(
@@ -249,7 +257,7 @@ class Frontend:
         if stream is None:
             return False
         self._aborted.add(request_id)
-        stream.cancel()
+        _cancel(stream)
         return True
 
     def in_flight(self) -> list[str]:

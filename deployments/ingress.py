@@ -149,7 +149,8 @@ class Ingress:
         details = _client_message(exc)
         retry = getattr(exc, "retry_after_s", None)
         if retry is not None:
-            ctx.set_trailing_metadata([("retry-after-ms", str(int(retry * 1000)))])
+            # In the details: Serve carries code and details of a failed stream
+            # to the client, not trailing metadata.
             details += f" (retry after {retry:g} s)"
         ctx.set_details(details)
 

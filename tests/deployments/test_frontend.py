@@ -36,9 +36,12 @@ class ScriptedStream:
     def __init__(self, script: list[Any]) -> None:
         self.script = script
         self.cancelled = asyncio.Event()
+        self.cancel_raises: BaseException | None = None
 
     def cancel(self) -> None:
         self.cancelled.set()
+        if self.cancel_raises is not None:
+            raise self.cancel_raises
 
     async def _events(self) -> AsyncIterator[EngineEvent]:
         for item in self.script:
@@ -112,7 +115,9 @@ async def test_the_deadline_bounds_only_the_first_token() -> None:
 
 
 async def test_backpressure_is_overload_with_a_retry_hint() -> None:
-    fe, _ = make([BackPressureError(num_queued_requests=9, max_queued_requests=8)])
+    refused = BackPressureError(num_queued_requests=9, max_queued_requests=8)
+    fe, stream = make([refused])
+    stream.cancel_raises = refused  # as Serve's cancel() of a refused request
     with pytest.raises(Overloaded) as e:
         await collect(fe)
     assert e.value.retry_after_s == 1.0

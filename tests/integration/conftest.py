@@ -71,6 +71,9 @@ def served(tiny_model: Path) -> Iterator[Served]:
                     "num_replicas": 2,
                     "num_cpus": 1,
                     "health_check_period_s": 2,
+                    # Small queues, so the overload test can fill them.
+                    "max_ongoing_requests": 8,
+                    "max_queued_requests": 4,
                 },
                 "server": {
                     "http_port": _free_port(),

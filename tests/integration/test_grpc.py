@@ -249,3 +249,11 @@ def test_missed_deadline_is_reported_and_the_slot_freed(
     wait_until(
         lambda: not _engine_holds(engine_handle, "too-late-1"), 30, "engine to drop it"
     )
+
+
+def test_health_watch_streams_the_status(served: Served) -> None:
+    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(served.grpc_target))
+    call = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=30)
+    first = next(call)
+    assert first.status == health_pb2.HealthCheckResponse.SERVING
+    call.cancel()
