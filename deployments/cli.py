@@ -1,4 +1,4 @@
-"""``moe-cluster``: serve, generate, info, make-tiny-model."""
+"""``moe-cluster``: serve, generate, info, bench, make-tiny-model."""
 
 from __future__ import annotations
 
@@ -150,6 +150,10 @@ def parser() -> argparse.ArgumentParser:
             )
             g.add_argument("--deadline-ms", type=int, default=0)
             g.add_argument("--tenant", default="")
+
+    from deployments.bench.cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
 
     m = sub.add_parser("make-tiny-model", help="write the built-in tiny checkpoint")
     m.add_argument("--out", default=DEFAULT_TINY_MODEL_DIR)

@@ -1,6 +1,6 @@
 """Tokens/s of greedy streams over gRPC against a running moe-cluster.
 
-    .venv/bin/python tests/perf/stream_throughput.py --streams 1 8 --max-tokens 256
+    .venv/bin/python -m tests.perf.stream_throughput --streams 1 8 --max-tokens 256
 
 Prints, per concurrency level: output tokens/s over all streams, per-stream
 tokens/s, mean time to first token and mean inter-token gap. A measurement, not a

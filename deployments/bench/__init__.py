@@ -1,0 +1,1 @@
+"""The load generator: drives gRPC or OpenAI HTTP endpoints and reports latency."""

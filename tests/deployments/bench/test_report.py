@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from deployments.bench.report import Slo, percentile, summarize, table
+from deployments.bench.runner import RequestRecord
+
+
+def rec(
+    index: int,
+    qos: str,
+    sent: float,
+    chunks: list[float],
+    end: float,
+    out: int,
+    cached: int | None = 0,
+    error: str | None = None,
+) -> RequestRecord:
+    return RequestRecord(
+        index,
+        qos,
+        prompt_tokens=10,
+        max_tokens=out,
+        prefix_group=None,
+        due_s=sent,
+        sent_s=sent,
+        chunk_times=chunks,
+        chunk_tokens=[1] * len(chunks),
+        end_s=end,
+        output_tokens=out,
+        cached_tokens=cached,
+        error=error,
+    )
+
+
+def test_percentile_matches_linear_interpolation() -> None:
+    xs = [1.0, 2.0, 3.0, 4.0]
+    assert percentile(xs, 50) == 2.5
+    assert percentile(xs, 90) == pytest.approx(3.7)
+    assert percentile(xs, 0) == 1.0 and percentile(xs, 100) == 4.0
+    assert math.isnan(percentile([], 50))
+
+
+RECORDS = [
+    # ttft 0.1, tpot (0.4 - 0.1) / 3 = 0.1, itls 0.1
+    rec(0, "realtime", 0.0, [0.1, 0.2, 0.3, 0.4], 0.4, 4, cached=5),
+    # ttft 0.5, tpot (1.0 - 0.5) / 1 = 0.5
+    rec(1, "background", 0.0, [0.5, 1.0], 1.0, 2, cached=0),
+    rec(2, "background", 0.5, [], 0.6, 0, error="RESOURCE_EXHAUSTED"),
+]
+
+
+def test_summary_is_exact() -> None:
+    s = summarize(RECORDS, duration_s=2.0, slo=Slo(ttft_ms=200))
+    a = s["all"]
+    assert (a["requests"], a["completed"]) == (3, 2)
+    assert a["errors"] == {"RESOURCE_EXHAUSTED": 1}
+    assert a["ttft_ms"]["mean"] == pytest.approx(300.0)
+    assert a["tpot_ms"]["p50"] == pytest.approx(300.0)
+    assert a["itl_ms"]["p50"] == pytest.approx(100.0)  # [100, 100, 100, 500]
+    assert a["e2e_ms"]["p99"] == pytest.approx(994.0)
+    assert a["output_tok_s"] == 3.0 and a["total_tok_s"] == 13.0
+    assert a["request_rate"] == 1.0
+    assert a["goodput"] == 0.5  # only the realtime request meets 200 ms TTFT
+    assert a["cached_prompt_share"] == 0.25
+    assert s["realtime"]["completed"] == 1 and s["background"]["errors"]
+    assert "RESOURCE_EXHAUSTED x1" in table(s)
+
+
+def test_slo() -> None:
+    fast, slow, failed = RECORDS
+    assert Slo().met_by(fast) and Slo().met_by(slow) and not Slo().met_by(failed)
+    assert Slo(tpot_ms=200).met_by(fast) and not Slo(tpot_ms=200).met_by(slow)
