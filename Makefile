@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= cluster/configs/tiny-cpu.yaml
 MODEL  := .models/tiny-deepseek-v2
 
-.PHONY: install serve test lint unit model proto clean
+.PHONY: install serve test lint unit model proto clean bench-peers
 
 install: $(STAMP)
 
@@ -42,3 +42,8 @@ proto: install
 
 clean:
 	rm -rf $(VENV) $(MODEL) .pytest_cache .mypy_cache .ruff_cache
+
+# moe-cluster against bare vLLM and Ray Serve LLM on the same model and workloads
+# (several minutes; writes tests/perf/results/peers.{json,md}).
+bench-peers: install
+	$(BIN)/python -m tests.perf.compare_peers

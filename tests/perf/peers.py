@@ -1,0 +1,129 @@
+"""Starts one serving system on the tiny model, in this process, until killed.
+
+    python -m tests.perf.peers ray-serve-llm --port 8100 --replicas 2 [--prefix-router]
+    python -m tests.perf.peers moe-cluster --port 8100 --replicas 1
+
+Used by ``compare_peers``; bare vLLM is started with its own ``vllm serve``. Every
+system gets the same engine settings and one CPU core per replica.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from cluster.tiny_model import write_tiny_model
+
+MODEL_DIR = Path(".models/tiny-deepseek-v2")
+NAME = "tiny-deepseek-v2"
+ENGINE = {
+    "dtype": "float32",
+    "max_model_len": 2048,
+    "kv_cache_memory_bytes": 256 << 20,
+    "max_num_seqs": 32,
+    "enforce_eager": True,
+}
+ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+
+
+def vllm_command(port: int) -> list[str]:
+    # vLLM's own OpenAI server, as `vllm serve` runs it. (vllm-cpu 0.32.0's `vllm`
+    # script fails at start: it asks for the version of a distribution named
+    # "vllm", but vllm-cpu installs as "vllm-cpu".)
+    server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    return [
+        *server, "--model", str(MODEL_DIR.resolve()), "--served-model-name", NAME,
+        "--port", str(port), "--dtype", ENGINE["dtype"],
+        "--max-model-len", str(ENGINE["max_model_len"]),
+        "--kv-cache-memory-bytes", str(ENGINE["kv_cache_memory_bytes"]),
+        "--max-num-seqs", str(ENGINE["max_num_seqs"]), "--enforce-eager",
+        "--disable-log-stats",
+    ]  # fmt: skip
+
+
+def serve_ray_serve_llm(port: int, replicas: int, prefix_router: bool) -> None:
+    import ray
+    from ray import serve
+    from ray.serve.llm import LLMConfig, build_openai_app
+
+    # The replica actor takes no CPU of its own: the engine's bundle holds the one
+    # core, as in moe-cluster (by default Ray Serve LLM reserves 1 + 1 per replica).
+    deployment: dict[str, object] = {
+        "num_replicas": replicas,
+        "ray_actor_options": {"num_cpus": 0},
+    }
+    if prefix_router:
+        deployment["request_router_config"] = {
+            "request_router_class": (
+                "ray.serve.llm.request_router.PrefixCacheAffinityRouter"
+            )
+        }
+    config = LLMConfig(
+        model_loading_config={
+            "model_id": NAME,
+            "model_source": str(MODEL_DIR.resolve()),
+        },
+        engine_kwargs=ENGINE,
+        accelerator_config={"kind": "cpu"},
+        placement_group_config={"bundles": [{"CPU": 1}]},
+        deployment_config=deployment,
+        runtime_env={"env_vars": ENV},
+    )
+    ray.init(num_cpus=2, include_dashboard=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app = build_openai_app(
+        {
+            "llm_configs": [config],
+            "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0}},
+        }
+    )
+    serve.run(app, name="rsllm", route_prefix="/")
+
+
+def serve_moe_cluster(port: int, replicas: int) -> None:
+    import ray
+    from ray import serve
+
+    from cluster.config import ClusterConfig
+    from deployments.app import build_app, prepare_model, proxy_options
+
+    config = prepare_model(
+        ClusterConfig.model_validate(
+            {
+                "model": {"path": str(MODEL_DIR), "served_name": NAME},
+                "engine": ENGINE | {"omp_num_threads": 1},
+                "deployment": {"num_replicas": replicas, "num_cpus": 1},
+                "server": {"http_port": port, "grpc_port": port + 1},
+            }
+        )
+    )
+    ray.init(num_cpus=2, include_dashboard=False)
+    http, grpc_options = proxy_options(config)
+    serve.start(http_options=http, grpc_options=grpc_options)
+    serve.run(build_app(config), name="moe-cluster", route_prefix="/")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("system", choices=["ray-serve-llm", "moe-cluster"])
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--prefix-router", action="store_true")
+    args = p.parse_args()
+    os.environ.update(ENV)
+    if not (MODEL_DIR / "config.json").exists():
+        write_tiny_model(MODEL_DIR)
+    if args.system == "ray-serve-llm":
+        serve_ray_serve_llm(args.port, args.replicas, args.prefix_router)
+    else:
+        serve_moe_cluster(args.port, args.replicas)
+    print("READY", flush=True)
+    while True:
+        time.sleep(3600)
+
+
+if __name__ == "__main__":
+    main()
