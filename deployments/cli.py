@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -50,12 +52,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     if args.no_block:
         return 0
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        serve.shutdown()
+    wait_for_stop_signal()
+    # Graceful: each engine replica shuts its vLLM engine down. Killing Ray's
+    # workers instead would orphan vLLM's engine processes.
+    serve.shutdown()
+    ray.shutdown()
     return 0
+
+
+def wait_for_stop_signal() -> None:
+    """Blocks until Ctrl-C or SIGTERM."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(3600):
+        pass
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

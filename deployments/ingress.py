@@ -25,7 +25,6 @@ from deployments import grpc_api, openai_api, validation
 from deployments.errors import ServiceError, status_of
 from deployments.frontend import Frontend, ModelFacts
 from deployments.grpc_api import MalformedRequest
-from deployments.openai_api import ChatCompletionRequest, CompletionRequest
 from deployments.proto import inference_pb2 as pb
 from deployments.protocol import EngineEvent, EngineRequest, Finish, TokenDelta
 
@@ -283,7 +282,9 @@ class Ingress:
                 raise validation.InvalidRequest(
                     "body", f"is {len(body)} bytes; the limit is {limit}"
                 )
-            req, engine_req, deadline = self._openai_request(body, kind)
+            req, engine_req, deadline = openai_api.engine_request(
+                body, kind, self.frontend
+            )
             shape = openai_api.ResponseShape(
                 "chat" if kind == "chat" else "completion",
                 engine_req.request_id,
@@ -305,74 +306,3 @@ class Ingress:
         except Exception as e:
             return self._http_error(e)
         return JSONResponse(shape.full(text, finish))
-
-    def _openai_request(
-        self, body: bytes, kind: str
-    ) -> tuple[Any, EngineRequest, float | None]:
-        fe = self.frontend
-        limits = fe.limits
-        req: Any
-        if kind == "chat":
-            req = openai_api.parse(ChatCompletionRequest, body)
-            messages = [m.model_dump() for m in req.messages]
-            size = sum(
-                len(m["content"].encode("utf-8", "surrogatepass")) for m in messages
-            )
-            for i, m in enumerate(messages):
-                validation.prompt_text(
-                    m["content"] or " ", limits, f"messages[{i}].content"
-                )
-            if size > limits.max_prompt_bytes:
-                raise validation.InvalidRequest(
-                    "messages",
-                    f"are {size} bytes; the limit is {limits.max_prompt_bytes}",
-                )
-            ids = fe.encode_chat(messages, "messages")
-            prompt_field = "messages"
-            max_tokens = req.max_completion_tokens or req.max_tokens
-        else:
-            req = openai_api.parse(CompletionRequest, body)
-            prompt = req.prompt
-            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-                raise validation.InvalidRequest("prompt", "one prompt per request")
-            if isinstance(prompt, str):
-                validation.prompt_text(prompt, limits, "prompt")
-                ids = fe.encode_text(prompt)
-            else:
-                ids = list(validation.token_ids(prompt, limits, "prompt"))
-            if not ids:
-                raise validation.InvalidRequest("prompt", "tokenizes to no tokens")
-            prompt_field = "prompt"
-            max_tokens = req.max_tokens
-            if max_tokens is None:
-                room = limits.max_model_len - len(ids)
-                max_tokens = min(openai_api.DEFAULT_COMPLETION_MAX_TOKENS, max(room, 1))
-        if req.model != fe.facts.name:
-            raise validation.InvalidRequest(
-                "model",
-                f"unknown model {req.model!r}; this server serves {fe.facts.name!r}",
-            )
-        bad = req.unsupported()
-        if bad:
-            raise validation.InvalidRequest(bad, "is not supported by this server")
-        validation.prompt_fits(len(ids), limits, prompt_field)
-        sampling = validation.sampling(
-            prompt_tokens=len(ids),
-            limits=limits,
-            max_tokens=max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            seed=req.seed,
-            stop=req.stop_list(),
-            stop_token_ids=req.stop_token_ids,
-            ignore_eos=req.ignore_eos,
-        )
-        engine_req = EngineRequest(
-            validation.request_id(req.request_id),
-            tuple(ids),
-            sampling,
-            openai_api.qos_of(req),
-            validation.tenant(req.tenant),
-        )
-        return req, engine_req, (req.deadline_ms / 1000 if req.deadline_ms else None)

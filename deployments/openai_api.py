@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from deployments import validation
 from deployments.errors import Status
-from deployments.protocol import Finish
+from deployments.protocol import EngineRequest, Finish
 from router.qos import QoS
+
+if TYPE_CHECKING:
+    from deployments.frontend import Frontend
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -115,6 +118,82 @@ def parse(model: type[BaseModel], body: bytes) -> Any:
 
 def qos_of(req: _Request) -> QoS:
     return QoS.parse(req.qos)
+
+
+def engine_request(
+    body: bytes, kind: Literal["completion", "chat"], frontend: Frontend
+) -> tuple[Any, EngineRequest, float | None]:
+    """Validates a request body; returns it parsed, the engine request and the
+    time-to-first-token deadline in seconds."""
+    limits = frontend.limits
+    req: Any
+    req = parse(ChatCompletionRequest if kind == "chat" else CompletionRequest, body)
+    if req.model != frontend.facts.name:
+        raise validation.InvalidRequest(
+            "model",
+            f"unknown model {req.model!r}; this server serves {frontend.facts.name!r}",
+        )
+    bad = req.unsupported()
+    if bad:
+        raise validation.InvalidRequest(bad, "is not supported by this server")
+    if kind == "chat":
+        ids, field = _chat_prompt(req, frontend), "messages"
+        max_tokens = req.max_completion_tokens or req.max_tokens
+    else:
+        ids, field = _completion_prompt(req, frontend), "prompt"
+        max_tokens = req.max_tokens
+        if max_tokens is None:
+            room = limits.max_model_len - len(ids)
+            max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, max(room, 1))
+    validation.prompt_fits(len(ids), limits, field)
+    sampling = validation.sampling(
+        prompt_tokens=len(ids),
+        limits=limits,
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        seed=req.seed,
+        stop=req.stop_list(),
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+    )
+    engine_req = EngineRequest(
+        validation.request_id(req.request_id),
+        tuple(ids),
+        sampling,
+        qos_of(req),
+        validation.tenant(req.tenant),
+    )
+    return req, engine_req, (req.deadline_ms / 1000 if req.deadline_ms else None)
+
+
+def _chat_prompt(req: ChatCompletionRequest, frontend: Frontend) -> list[int]:
+    limits = frontend.limits
+    messages = [m.model_dump() for m in req.messages]
+    for i, m in enumerate(messages):
+        # Empty turns are fine; their text is checked like any prompt's.
+        validation.prompt_text(m["content"] or " ", limits, f"messages[{i}].content")
+    size = sum(len(m["content"].encode("utf-8")) for m in messages)
+    if size > limits.max_prompt_bytes:
+        raise validation.InvalidRequest(
+            "messages", f"are {size} bytes; the limit is {limits.max_prompt_bytes}"
+        )
+    return frontend.encode_chat(messages, "messages")
+
+
+def _completion_prompt(req: CompletionRequest, frontend: Frontend) -> list[int]:
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        raise validation.InvalidRequest("prompt", "one prompt per request")
+    if isinstance(prompt, str):
+        validation.prompt_text(prompt, frontend.limits, "prompt")
+        ids = frontend.encode_text(prompt)
+    else:
+        ids = list(validation.token_ids(prompt, frontend.limits, "prompt"))  # type: ignore[arg-type]
+    if not ids:
+        raise validation.InvalidRequest("prompt", "tokenizes to no tokens")
+    return ids
 
 
 def error_body(status: Status, message: str, param: str | None) -> dict[str, Any]:

@@ -8,7 +8,7 @@ failures raise ``RequestFailed`` carrying a short code ("RESOURCE_EXHAUSTED",
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -87,7 +87,9 @@ class OpenAIBackend:
     """Any OpenAI-compatible server's streaming ``/v1/completions``.
 
     Prompts are sent as token id lists (vLLM, Ray Serve LLM and moe-cluster all
-    accept them), with ``ignore_eos`` so every server generates the same lengths.
+    accept them), or as text when ``detokenize`` is given (some routers read only
+    text: Ray Serve LLM's prefix-aware router fails on token ids), with
+    ``ignore_eos`` so every server generates the same lengths.
     """
 
     name = "openai"
@@ -99,6 +101,7 @@ class OpenAIBackend:
         api_key: str = "",
         timeout_s: float = 600,
         send_qos: bool = True,
+        detokenize: Callable[[tuple[int, ...]], str] | None = None,
     ) -> None:
         import httpx
 
@@ -111,6 +114,7 @@ class OpenAIBackend:
         )
         self._model = model
         self._send_qos = send_qos
+        self._detokenize = detokenize
 
     async def model(self) -> str:
         if self._model is None:
@@ -124,7 +128,9 @@ class OpenAIBackend:
 
         body: dict[str, object] = {
             "model": await self.model(),
-            "prompt": list(spec.prompt),
+            "prompt": (
+                self._detokenize(spec.prompt) if self._detokenize else list(spec.prompt)
+            ),
             "max_tokens": spec.max_tokens,
             "temperature": 0.0,
             "ignore_eos": True,

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,12 @@ def add_parser(sub: Any) -> None:
         "--model", default=None, help="openai: model name (default: first listed)"
     )
     b.add_argument("--api-key", default="")
+    b.add_argument(
+        "--tokenizer",
+        default=None,
+        help="openai: send prompts as text, decoded with this tokenizer "
+        "(a model directory); default: token ids",
+    )
     b.add_argument(
         "--no-qos-field",
         action="store_true",
@@ -89,8 +96,21 @@ def backend_from(args: argparse.Namespace) -> Backend:
         return GrpcBackend(args.target, args.api_key)
     target = args.target if "://" in args.target else f"http://{args.target}"
     return OpenAIBackend(
-        target, args.model, args.api_key, send_qos=not args.no_qos_field
+        target,
+        args.model,
+        args.api_key,
+        send_qos=not args.no_qos_field,
+        detokenize=text_prompts(args.tokenizer) if args.tokenizer else None,
     )
+
+
+def text_prompts(tokenizer_dir: str) -> Callable[[tuple[int, ...]], str]:
+    """Token ids -> text with the model's tokenizer (the text re-tokenizes to
+    about as many tokens; byte-level BPE may merge a few)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return lambda ids: str(tokenizer.decode(list(ids), skip_special_tokens=True))
 
 
 async def run_bench(args: argparse.Namespace) -> dict[str, Any]:

@@ -79,3 +79,57 @@ def test_shapes() -> None:
         ).encode(),
     )
     assert req.messages[0].content == "x"
+
+
+class FakeFrontend:
+    from deployments.validation import Limits
+
+    limits = Limits(max_model_len=40, vocab_size=50, max_prompt_bytes=64)
+    facts = type("Facts", (), {"name": "m"})()
+
+    def encode_text(self, text: str) -> list[int]:
+        return [ord(c) % 50 for c in text]
+
+    def encode_chat(self, messages: list[dict[str, str]], field: str) -> list[int]:
+        return [0] + [t for m in messages for t in self.encode_text(m["content"])]
+
+
+def convert(kind: str, **kw: object) -> tuple:
+    return openai_api.engine_request(body(**kw), kind, FakeFrontend())  # type: ignore[arg-type]
+
+
+def test_completion_conversion() -> None:
+    _, req, deadline = convert(
+        "completion", prompt="abc", qos="realtime", deadline_ms=20
+    )
+    assert req.prompt_token_ids == (47, 48, 49) and req.qos.name == "REALTIME"
+    assert req.sampling.max_tokens == 16 and deadline == 0.02  # OpenAI's default
+    _, req, _ = convert("completion", prompt=[1, 2], max_tokens=5, stop="z")
+    assert req.prompt_token_ids == (1, 2) and req.sampling.stop == ("z",)
+
+
+def test_chat_conversion() -> None:
+    messages = [{"role": "system", "content": ""}, {"role": "user", "content": "ab"}]
+    _, req, deadline = convert("chat", messages=messages, max_completion_tokens=3)
+    assert req.prompt_token_ids == (0, 47, 48) and req.sampling.max_tokens == 3
+    assert deadline is None
+
+
+@pytest.mark.parametrize(
+    ("kind", "kw", "field"),
+    [
+        ("completion", {"model": "other"}, "model"),
+        ("completion", {"n": 2}, "n"),
+        ("completion", {"prompt": "x" * 65}, "prompt"),
+        ("completion", {"prompt": [1] * 40}, "prompt"),
+        ("completion", {"prompt": ["a", "b"]}, "prompt"),
+        ("completion", {"max_tokens": 0}, "max_tokens"),
+        ("chat", {"messages": [{"role": "user", "content": "y" * 40}] * 2}, "messages"),
+    ],
+)
+def test_conversion_errors_name_the_field(
+    kind: str, kw: dict[str, object], field: str
+) -> None:
+    with pytest.raises(InvalidRequest) as e:
+        convert(kind, **kw)
+    assert e.value.field == field

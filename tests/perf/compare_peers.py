@@ -13,6 +13,10 @@ PrefixCacheAffinityRouter), and moe-cluster. All are driven over OpenAI HTTP by
 - S3: two replicas, 4 shared prefixes of 512 tokens + 32 distinct tokens each,
   8 streams (prefix reuse across replicas).
 
+Prompts are sent as text (the seeded token ids decoded with the model's
+tokenizer), the form every peer's router understands; random ids decode to text
+that re-tokenizes to ~1.2x the nominal lengths, the same text for every peer.
+
 Writes ``tests/perf/results/peers.json`` (summaries) and ``peers.md`` (the table
 of ratios), so a later change can be compared with this one.
 """
@@ -32,8 +36,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from deployments.bench.backends import OpenAIBackend
+from deployments.bench.cli import text_prompts
 from deployments.bench.report import Slo, summarize
 from deployments.bench.runner import Limits, run_closed_loop, run_open_loop
 from deployments.bench.workload import ClassSpec, LengthRange, PrefixGroups, Workload
@@ -90,6 +96,14 @@ PEERS = (
 )
 
 
+def backend_for_peers() -> OpenAIBackend:
+    # Text prompts (the seeded ids, decoded): Ray Serve LLM's prefix-aware router
+    # divides by the prompt text's length and fails on token-id prompts.
+    return OpenAIBackend(
+        f"http://127.0.0.1:{PORT}", NAME, detokenize=text_prompts(str(MODEL_DIR))
+    )
+
+
 class Server:
     """One peer's server process group, ready when /v1/models answers (and, for
     the Ray-based peers, every replica runs)."""
@@ -99,6 +113,7 @@ class Server:
         self.log = log.open("w")
         env = os.environ | ENV
         started = time.monotonic()
+        self.started_at = time.time()
         self.proc = subprocess.Popen(
             peer.command(replicas),
             stdout=self.log,
@@ -127,19 +142,28 @@ class Server:
         self.startup_s = time.monotonic() - started
 
     def stop(self) -> None:
+        """SIGTERM (graceful engine shutdown), then clean up what is left."""
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         if self.peer.uses_ray:
             ray = str(Path(sys.executable).parent / "ray")
             subprocess.run([ray, "stop", "--force"], capture_output=True, check=False)
+        # Any vLLM process this peer started and left behind would skew the next.
+        for proc in psutil.process_iter(["name", "create_time"]):
+            if proc.info["name"].startswith("VLLM::") and (
+                proc.info["create_time"] >= self.started_at
+            ):
+                proc.kill()
         self.log.close()
 
 
 async def closed(workload: Workload, concurrency: int, n: int, warmup: int = 2) -> Any:
-    backend = OpenAIBackend(f"http://127.0.0.1:{PORT}", NAME, send_qos=True)
+    backend = backend_for_peers()
     try:
         if warmup:
             await run_closed_loop(
@@ -164,7 +188,7 @@ async def flood(background_rate: float, duration_s: float) -> Any:
         output_len=FLOOD_SHAPE.output_len,
     )
     workload = Workload((realtime, background), seed=2)
-    backend = OpenAIBackend(f"http://127.0.0.1:{PORT}", NAME, send_qos=True)
+    backend = backend_for_peers()
     try:
         records, duration = await run_open_loop(
             backend, workload.requests(), Limits(duration_s=duration_s)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 from cluster.tiny_model import write_tiny_model
+from deployments.cli import wait_for_stop_signal
 
 MODEL_DIR = Path(".models/tiny-deepseek-v2")
 NAME = "tiny-deepseek-v2"
@@ -121,8 +121,10 @@ def main() -> None:
     else:
         serve_moe_cluster(args.port, args.replicas)
     print("READY", flush=True)
-    while True:
-        time.sleep(3600)
+    wait_for_stop_signal()
+    from ray import serve
+
+    serve.shutdown()  # engines shut down; `ray stop` alone would orphan them
 
 
 if __name__ == "__main__":
