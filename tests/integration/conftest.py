@@ -71,9 +71,11 @@ def served(tiny_model: Path) -> Iterator[Served]:
                     "num_replicas": 2,
                     "num_cpus": 1,
                     "health_check_period_s": 2,
-                    # Small queues, so the overload test can fill them.
+                    # Small queues, so the overload test can fill them. Serve
+                    # counts requests awaiting a replica as queued, so the limit
+                    # stays above the other tests' bursts (8 at once).
                     "max_ongoing_requests": 8,
-                    "max_queued_requests": 4,
+                    "max_queued_requests": 12,
                 },
                 "server": {
                     "http_port": _free_port(),

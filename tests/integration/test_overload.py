@@ -11,7 +11,7 @@ import httpx
 from deployments.proto import inference_pb2 as pb
 from tests.integration.conftest import Served
 
-# 2 replicas x 8 ongoing + 4 queued = 20 admitted; the rest must be refused.
+# 2 replicas x 8 ongoing + 12 queued = 28 admitted at most; the rest are refused.
 FLOOD = 40
 
 
