@@ -66,6 +66,13 @@ class EngineConfig(_Strict):
     enable_prefix_caching: bool = Field(
         True, description="Reuse KV blocks of shared prompt prefixes in the engine."
     )
+    stream_interval_ms: float = Field(
+        50.0,
+        ge=0,
+        description="Streamed tokens of a request are sent at most every this many "
+        "milliseconds (the first at once): fewer messages through Ray at high "
+        "concurrency. 0 sends every engine step.",
+    )
     cpu_omp_threads_bind: str = Field(
         "nobind",
         description="vLLM CPU backend: VLLM_CPU_OMP_THREADS_BIND for each engine "

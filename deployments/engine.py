@@ -23,8 +23,8 @@ from deployments.protocol import (
     Finish,
     Sampling,
     Started,
-    TokenDelta,
 )
+from deployments.stream_batcher import DeltaBatcher
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -86,9 +86,12 @@ class VLLMEngine:
     consumer goes away (cancellation) aborts its engine request before returning.
     """
 
-    def __init__(self, engine: AsyncLLM, replica_id: str) -> None:
+    def __init__(
+        self, engine: AsyncLLM, replica_id: str, stream_interval_s: float = 0.0
+    ) -> None:
         self._engine = engine
         self.replica_id = replica_id
+        self._stream_interval_s = stream_interval_s
         self._running: set[str] = set()
 
     @classmethod
@@ -97,7 +100,8 @@ class VLLMEngine:
 
         os.environ.update(engine_env(config.engine))
         args = engine_args(config.model.path, config.model.served_name, config.engine)
-        return cls(AsyncLLM.from_engine_args(args), replica_id)
+        interval_s = config.engine.stream_interval_ms / 1000
+        return cls(AsyncLLM.from_engine_args(args), replica_id, interval_s)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
         from vllm.inputs import TokensPrompt
@@ -114,13 +118,18 @@ class VLLMEngine:
                 priority=int(request.qos),
             )
             yield Started(self.replica_id)
+            batcher = DeltaBatcher(self._stream_interval_s)
+            clock = asyncio.get_running_loop().time
             async for out in outputs:
                 seq = out.outputs[0]
-                if seq.token_ids:
-                    completion += len(seq.token_ids)
-                    yield TokenDelta(tuple(seq.token_ids), seq.text)
+                completion += len(seq.token_ids)
+                delta = batcher.add(list(seq.token_ids), seq.text, clock())
+                if delta is not None:
+                    yield delta
                 if out.finished:
                     finished = True
+                    if (rest := batcher.flush(clock())) is not None:
+                        yield rest
                     yield Finish(
                         reason=_finish_reason(seq.finish_reason),
                         prompt_tokens=len(request.prompt_token_ids),

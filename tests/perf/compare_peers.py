@@ -23,6 +23,7 @@ of ratios), so a later change can be compared with this one.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -316,18 +317,30 @@ def main() -> None:
         from cluster.tiny_model import write_tiny_model
 
         write_tiny_model(MODEL_DIR)
-    only = set(sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("peers", nargs="*", help="run only these (vllm, rsllm, ...)")
+    parser.add_argument(
+        "--capacity",
+        type=float,
+        help="S2 baseline capacity in req/s (reuse an earlier run's, to compare)",
+    )
+    args = parser.parse_args()
+    only = set(args.peers)
     capacity: dict[str, Any] = {}
+    if args.capacity:
+        capacity = {"rate": args.capacity, "measured_on": "an earlier run"}
     results: dict[str, Any] = {}
     for peer in PEERS:
         if only and peer.key not in only:
             continue
         results[peer.key] = run_peer(peer, capacity, logs)
-        (RESULTS / "peers.json").write_text(
+        name = "peers.json" if not only else "peers-partial.json"
+        (RESULTS / name).write_text(
             json.dumps({"capacity": capacity, "results": results}, indent=1)
         )
     table = markdown(results, capacity)
-    (RESULTS / "peers.md").write_text(table)
+    if not only:  # a partial run does not replace the recorded comparison
+        (RESULTS / "peers.md").write_text(table)
     print(table)
 
 
