@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ray import serve
 from ray.serve.config import HTTPOptions, gRPCOptions
 from ray.serve.deployment import Application
 
@@ -54,6 +55,14 @@ def app_builder(args: dict[str, Any]) -> Application:
     """Entry for `serve run` / RayService `import_path: deployments.app:app_builder`;
     ``args`` is the ClusterConfig mapping."""
     return build_app(prepare_model(ClusterConfig.model_validate(args)))
+
+
+def deploy(config: ClusterConfig) -> None:
+    """Starts Serve's proxies and runs the app on the connected Ray cluster;
+    returns once every replica is ready."""
+    http, grpc_options = proxy_options(config)
+    serve.start(http_options=http, grpc_options=grpc_options)
+    serve.run(build_app(config), name=config.server.app_name, route_prefix="/")
 
 
 def proxy_options(config: ClusterConfig) -> tuple[HTTPOptions, gRPCOptions]:

@@ -25,14 +25,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from deployments.app import build_app, prepare_model, proxy_options
+    from deployments.app import deploy, prepare_model
 
     config = prepare_model(_config(args.config))
     started = time.monotonic()
     ray.init(address=args.address, namespace="moe-cluster")
-    http, grpc_options = proxy_options(config)
-    serve.start(http_options=http, grpc_options=grpc_options)
-    serve.run(build_app(config), name=config.server.app_name, route_prefix="/")
+    deploy(config)
     s = config.server
     print(
         f"moe-cluster is serving {config.model.served_name!r} "

@@ -53,7 +53,7 @@ def served(tiny_model: Path) -> Iterator[Served]:
     import ray
     from ray import serve
 
-    from deployments.app import build_app, prepare_model, proxy_options
+    from deployments.app import deploy, prepare_model
 
     config = prepare_model(
         ClusterConfig.model_validate(
@@ -88,9 +88,7 @@ def served(tiny_model: Path) -> Iterator[Served]:
         )
     )
     ray.init(num_cpus=2, include_dashboard=False, namespace="moe-cluster-test")
-    http, grpc_options = proxy_options(config)
-    serve.start(http_options=http, grpc_options=grpc_options)
-    serve.run(build_app(config), name=config.server.app_name, route_prefix="/")
+    deploy(config)
     s = config.server
     yield Served(
         config, f"127.0.0.1:{s.grpc_port}", f"http://127.0.0.1:{s.http_port}", API_KEY
@@ -104,6 +102,16 @@ def engine_handle(served: Served) -> Any:
     from ray import serve
 
     return serve.get_deployment_handle("Engine", served.config.server.app_name)
+
+
+def engine_stats(engine_handle: Any) -> dict[str, Any]:
+    """``EngineStats`` of each engine replica, by replica id.
+
+    The handle picks a replica at random per call; 20 calls reach both replicas
+    except with probability 2**-19.
+    """
+    stats = [engine_handle.stats.remote().result(timeout_s=30) for _ in range(20)]
+    return {s.replica_id: s for s in stats}
 
 
 def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:

@@ -10,14 +10,9 @@ import grpc
 import psutil
 
 from deployments.proto import inference_pb2 as pb
-from tests.integration.conftest import Served, wait_until
+from tests.integration.conftest import Served, engine_stats, wait_until
 
 RUN_LAST = True  # kills an engine; the cluster heals within the test
-
-
-def replica_stats(engine_handle: Any) -> dict[str, Any]:
-    stats = [engine_handle.stats.remote().result(timeout_s=30) for _ in range(20)]
-    return {s.replica_id: s for s in stats}
 
 
 def test_dead_engine_fails_its_streams_and_the_replica_is_replaced(
@@ -45,7 +40,7 @@ def test_dead_engine_fails_its_streams_and_the_replica_is_replaced(
     reader = threading.Thread(target=stream, daemon=True)
     reader.start()
     assert started.wait(60)
-    before = wait_until(lambda: replica_stats(engine_handle), 30, "both replicas")
+    before = wait_until(lambda: engine_stats(engine_handle), 30, "both replicas")
     (victim,) = [s for s in before.values() if "doomed-1" in s.request_ids]
     children = psutil.Process(victim.pid).children(recursive=True)
     assert children, "the engine core runs in a child process of the replica"
@@ -67,7 +62,7 @@ def test_dead_engine_fails_its_streams_and_the_replica_is_replaced(
         assert msgs[-1].finished.completion_tokens == 4
 
     def replaced() -> bool:
-        now = replica_stats(engine_handle)
+        now = engine_stats(engine_handle)
         return len(now) == 2 and victim.replica_id not in now
 
     wait_until(replaced, 180, "Serve to replace the replica with the dead engine")

@@ -21,7 +21,7 @@ from cluster.tiny_model import (
     greedy_successors,
 )
 from deployments.proto import inference_pb2 as pb
-from tests.integration.conftest import Served, wait_until
+from tests.integration.conftest import Served, engine_stats, wait_until
 
 PROMPT_IDS = [410, 465, 14, 318, 496]
 
@@ -181,14 +181,10 @@ def _stream_in_background(served: Served, request: pb.GenerateRequest) -> Any:
 
 
 def _engine_holds(engine_handle: Any, request_id: str) -> bool:
-    """Whether any engine replica holds ``request_id``.
-
-    The handle picks a replica at random per call; 20 calls reach both replicas
-    except with probability 2**-19.
-    """
-    stats = [engine_handle.stats.remote().result(timeout_s=30) for _ in range(20)]
-    assert len({s.replica_id for s in stats}) == 2
-    return any(request_id in s.request_ids for s in stats)
+    """Whether any engine replica holds ``request_id``."""
+    stats = engine_stats(engine_handle)
+    assert len(stats) == 2
+    return any(request_id in s.request_ids for s in stats.values())
 
 
 def test_abort_mid_stream_frees_the_engine_slot(

@@ -85,10 +85,9 @@ def serve_ray_serve_llm(port: int, replicas: int, prefix_router: bool) -> None:
 
 def serve_moe_cluster(port: int, replicas: int) -> None:
     import ray
-    from ray import serve
 
     from cluster.config import ClusterConfig
-    from deployments.app import build_app, prepare_model, proxy_options
+    from deployments.app import deploy, prepare_model
 
     config = prepare_model(
         ClusterConfig.model_validate(
@@ -101,9 +100,7 @@ def serve_moe_cluster(port: int, replicas: int) -> None:
         )
     )
     ray.init(num_cpus=2, include_dashboard=False)
-    http, grpc_options = proxy_options(config)
-    serve.start(http_options=http, grpc_options=grpc_options)
-    serve.run(build_app(config), name="moe-cluster", route_prefix="/")
+    deploy(config)
 
 
 def main() -> None:
