@@ -8,6 +8,19 @@ from pathlib import Path
 from deployments.bench.runner import RequestRecord
 
 
+def tokens_per_second(records: Sequence[RequestRecord]) -> list[float]:
+    """Output tokens in each second of the run (1 s bins from the start)."""
+    end = max((r.end_s for r in records), default=0.0)
+    counts = [0.0] * (int(end) + 1)
+    for r in records:
+        # An SSE event may carry several tokens (servers batch streams) but is
+        # recorded as one: spread the server's count evenly over the chunks.
+        scale = r.output_tokens / max(1, sum(r.chunk_tokens))
+        for t, n in zip(r.chunk_times, r.chunk_tokens, strict=True):
+            counts[min(int(t), len(counts) - 1)] += n * scale
+    return counts
+
+
 def write_plots(records: Sequence[RequestRecord], out_dir: Path) -> list[Path]:
     import matplotlib
 
@@ -42,15 +55,11 @@ def write_plots(records: Sequence[RequestRecord], out_dir: Path) -> list[Path]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(8, 3.5))
-    end = max((r.end_s for r in ok), default=0.0)
-    bins = max(1, int(end) + 1)
     for qos in [*classes, "all"]:
-        counts = [0.0] * bins
-        for r in ok:
-            if qos in (r.qos, "all"):
-                for t, n in zip(r.chunk_times, r.chunk_tokens, strict=True):
-                    counts[min(int(t), bins - 1)] += n
-        ax.plot(range(bins), counts, label=qos, linewidth=2 if qos == "all" else 1)
+        counts = tokens_per_second([r for r in ok if qos in (r.qos, "all")])
+        ax.plot(
+            range(len(counts)), counts, label=qos, linewidth=2 if qos == "all" else 1
+        )
     ax.set(title="output tokens/s over time", xlabel="s since start", ylabel="tok/s")
     ax.grid(alpha=0.3)
     ax.legend()

@@ -79,23 +79,21 @@ async def send_one(
         due_s,
     )
     rec.sent_s = time.perf_counter() - t0
-    counted = 0
     try:
         async for event in backend.stream(spec):
             if isinstance(event, Chunk):
                 rec.chunk_times.append(time.perf_counter() - t0)
                 rec.chunk_tokens.append(event.tokens)
-                counted += event.tokens
             elif isinstance(event, Done):
-                rec.output_tokens = event.output_tokens or counted
+                rec.output_tokens = event.output_tokens or 0
                 rec.cached_tokens = event.cached_tokens
     except RequestFailed as e:
         rec.error = e.code
     except Exception as e:  # a client-side failure is a result too, not a crash
         rec.error = type(e).__name__
     rec.end_s = time.perf_counter() - t0
-    if rec.ok and not rec.output_tokens:
-        rec.output_tokens = counted
+    if rec.ok and not rec.output_tokens:  # the server did not count them
+        rec.output_tokens = sum(rec.chunk_tokens)
     return rec
 
 

@@ -73,3 +73,14 @@ def test_slo() -> None:
     fast, slow, failed = RECORDS
     assert Slo().met_by(fast) and Slo().met_by(slow) and not Slo().met_by(failed)
     assert Slo(tpot_ms=200).met_by(fast) and not Slo(tpot_ms=200).met_by(slow)
+
+
+def test_tokens_per_second_counts_what_the_server_counted() -> None:
+    from deployments.bench.plots import tokens_per_second
+
+    # Two SSE events recorded as one token each, but the server produced 6.
+    batched = rec(3, "normal", 0.0, [0.5, 1.5], 1.6, 6)
+    batched.chunk_tokens = [1, 1]
+    exact = rec(4, "normal", 0.0, [0.2, 0.4, 2.1], 2.2, 3)
+    assert tokens_per_second([batched, exact]) == [5.0, 3.0, 1.0]
+    assert tokens_per_second([]) == [0.0]
