@@ -12,6 +12,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from router.qos import QoS
+
 DEFAULT_TINY_MODEL_DIR = ".models/tiny-deepseek-v2"
 
 
@@ -105,6 +107,97 @@ class DeploymentConfig(_Strict):
     )
 
 
+class PerClass(_Strict):
+    """One value per QoS class."""
+
+    realtime: float
+    normal: float
+    background: float
+
+    def of(self, qos: QoS) -> float:
+        return float(getattr(self, qos.name.lower()))
+
+
+class RouterConfig(_Strict):
+    """The DeepSeekRouter: admission by QoS class, replica choice and breakers."""
+
+    enabled: bool = Field(
+        True,
+        description="Admit and place every request through the router. Off: Serve's "
+        "own handle queue (first come, first served) picks replicas.",
+    )
+    policy: Literal["least_loaded", "weighted_round_robin", "prefix", "expert"] = Field(
+        "least_loaded",
+        description="Replica choice: fewest tokens in flight; round robin weighted by "
+        "measured tokens/s; longest cached prefix (balanced against load); or least "
+        "predicted load on the experts the prompt hits.",
+    )
+    max_running_per_replica: int = Field(
+        16,
+        gt=0,
+        description="Requests the router runs on one replica at a time; the rest wait "
+        "in the router's class queues. Keep it at or below engine.max_num_seqs.",
+    )
+    realtime_reserved_slots: int = Field(
+        4,
+        ge=0,
+        description="Extra requests per replica only realtime may use, so realtime "
+        "never waits for a slot to free; the engine's priority scheduler runs it "
+        "first.",
+    )
+    class_weights: PerClass = Field(
+        default_factory=lambda: PerClass(realtime=16, normal=4, background=1),
+        description="Weighted fair share of freed slots per class while all are "
+        "waiting; every weight > 0, so background is never starved.",
+    )
+    max_queued: PerClass = Field(
+        default_factory=lambda: PerClass(realtime=256, normal=512, background=1024),
+        description="Requests waiting per class beyond which new ones are refused "
+        "with RESOURCE_EXHAUSTED / 429.",
+    )
+    max_wait_s: float = Field(
+        60.0, gt=0, description="A request queued this long without a deadline is shed."
+    )
+    default_ttft_ms: float = Field(
+        50.0,
+        gt=0,
+        description="Dispatch-to-first-token estimate until one is measured: a "
+        "deadline shorter than the estimate is refused at once.",
+    )
+    breaker_failures: int = Field(
+        3, ge=1, description="Consecutive failures or timeouts that open a replica."
+    )
+    breaker_open_s: float = Field(
+        5.0, gt=0, description="How long an opened replica breaker waits to probe."
+    )
+    expert_capacity_tokens: float | None = Field(
+        None,
+        gt=0,
+        description="Tokens in flight one routed expert may carry cluster-wide before "
+        "its breaker defers background requests that hit it (normal ones above "
+        "expert_normal_factor times this). None: no expert breaker.",
+    )
+    expert_normal_factor: float = Field(1.5, ge=1, description="See above.")
+    expert_close_ratio: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="An expert breaker closes below this share of its threshold.",
+    )
+    prefix_balance_tokens: int = Field(
+        4096,
+        ge=0,
+        description="Prefix policy: the longest-prefix replica is skipped when it has "
+        "this many more tokens in flight than the least-loaded one.",
+    )
+    report_interval_s: float = Field(
+        0.5, gt=0, description="How often replicas report load to the router."
+    )
+    replica_stale_s: float = Field(
+        5.0, gt=0, description="A replica silent this long is dropped from routing."
+    )
+
+
 class ServerConfig(_Strict):
     host: str = Field("127.0.0.1", description="Address the HTTP proxy binds.")
     http_port: int = Field(8000, gt=0, lt=65536, description="OpenAI HTTP port.")
@@ -129,11 +222,21 @@ class ClusterConfig(_Strict):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
 
     @model_validator(mode="after")
     def _ports_differ(self) -> ClusterConfig:
         if self.server.http_port == self.server.grpc_port:
             raise ValueError("server.http_port and server.grpc_port must differ")
+        r = self.router
+        if r.enabled:
+            need = r.max_running_per_replica + r.realtime_reserved_slots
+            if self.deployment.max_ongoing_requests < need:
+                raise ValueError(
+                    f"deployment.max_ongoing_requests must be >= {need} (router."
+                    "max_running_per_replica + router.realtime_reserved_slots) so that "
+                    "requests wait in the router's class queues, not in Serve's"
+                )
         return self
 
     def resolved(self) -> ClusterConfig:

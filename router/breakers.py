@@ -1,0 +1,137 @@
+"""Circuit breakers: one per replica (failures), one per routed expert (load).
+
+Both take an injected clock and report every state change through ``emit``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from router.qos import QoS
+from router.types import Transition
+
+Clock = Callable[[], float]
+Emit = Callable[[Transition], None]
+
+CLOSED, OPEN, HALF_OPEN = "closed", "open", "half-open"
+
+
+class ReplicaBreaker:
+    """``failures`` consecutive failures or timeouts open it; after ``open_s`` it is
+    half-open and lets one probe through; the probe's success closes it, its failure
+    opens it again for another ``open_s``."""
+
+    def __init__(
+        self, key: str, *, failures: int, open_s: float, clock: Clock, emit: Emit
+    ) -> None:
+        if failures < 1 or open_s <= 0:
+            raise ValueError("failures must be >= 1 and open_s > 0")
+        self.key, self._failures, self._open_s = key, failures, open_s
+        self._clock, self._emit = clock, emit
+        self._state = CLOSED
+        self._consecutive = 0
+        self._opened_at = 0.0
+        self._probe_out = False
+
+    @property
+    def state(self) -> str:
+        if self._state == OPEN and self._clock() - self._opened_at >= self._open_s:
+            self._move(HALF_OPEN, "cool-down over")
+            self._probe_out = False
+        return self._state
+
+    def allows(self) -> bool:
+        """May a request be dispatched to this replica now?"""
+        state = self.state
+        return state == CLOSED or (state == HALF_OPEN and not self._probe_out)
+
+    def on_dispatch(self) -> bool:
+        """Records a dispatch; True when it is the half-open probe."""
+        if self.state == HALF_OPEN:
+            self._probe_out = True
+            return True
+        return False
+
+    def abandon_probe(self) -> None:
+        """The probe ended without a verdict (the client went away): allow another."""
+        self._probe_out = False
+
+    def record(self, ok: bool) -> None:
+        state = self.state
+        if ok:
+            self._consecutive = 0
+            if state == HALF_OPEN:
+                self._move(CLOSED, "probe succeeded")
+            return
+        self._consecutive += 1
+        if state == HALF_OPEN:
+            self._open("probe failed")
+        elif state == CLOSED and self._consecutive >= self._failures:
+            self._open(f"{self._consecutive} consecutive failures")
+
+    def _open(self, why: str) -> None:
+        self._opened_at = self._clock()
+        self._probe_out = False
+        self._move(OPEN, why)
+
+    def _move(self, new: str, why: str) -> None:
+        old, self._state = self._state, new
+        self._emit(Transition("replica", self.key, old, new, self._clock(), why))
+
+
+class ExpertBreakers:
+    """Per routed expert: above ``capacity`` tokens in flight, background requests
+    that hit the expert are deferred; above ``capacity * normal_factor`` normal ones
+    too. Realtime always runs. A level drops once load falls below
+    ``close_ratio`` of its threshold (hysteresis, so it does not flap)."""
+
+    LEVELS = (CLOSED, "defer-background", "defer-normal")
+
+    def __init__(
+        self,
+        num_experts: int,
+        *,
+        capacity: float,
+        normal_factor: float,
+        close_ratio: float,
+        clock: Clock,
+        emit: Emit,
+    ) -> None:
+        if capacity <= 0 or normal_factor < 1 or not 0 < close_ratio <= 1:
+            raise ValueError("bad expert breaker thresholds")
+        self._thresholds = (capacity, capacity * normal_factor)
+        self._close_ratio = close_ratio
+        self._clock, self._emit = clock, emit
+        self.levels = [0] * num_experts
+
+    def update(self, load: Sequence[float]) -> None:
+        """Moves each expert's level for its current load (tokens in flight)."""
+        for e, x in enumerate(load):
+            level = self.levels[e]
+            new = level
+            while new < 2 and x > self._thresholds[new]:
+                new += 1
+            while new > 0 and x < self._thresholds[new - 1] * self._close_ratio:
+                new -= 1
+            if new != level:
+                self.levels[e] = new
+                self._emit(
+                    Transition(
+                        "expert",
+                        str(e),
+                        self.LEVELS[level],
+                        self.LEVELS[new],
+                        self._clock(),
+                        f"load {x:.0f} tokens",
+                    )
+                )
+
+    def defers(self, qos: QoS, hist: Sequence[int]) -> bool:
+        """Does an open breaker hold back a request of ``qos`` hitting ``hist``?"""
+        if qos == QoS.REALTIME or not hist:
+            return False
+        need = 1 if qos == QoS.BACKGROUND else 2
+        return any(n > 0 and self.levels[e] >= need for e, n in enumerate(hist))
+
+    def hot(self) -> list[int]:
+        return [e for e, lvl in enumerate(self.levels) if lvl > 0]

@@ -1,0 +1,331 @@
+"""The DeepSeekRouter's decisions: admission, placement, breakers. Pure and clocked.
+
+``RouterCore`` is driven by five calls: ``submit`` (a request asks to run),
+``pump`` (dispatch whatever may run now), ``release`` (a request ended),
+``report`` (a replica's load) and ``tick`` (time passes: deadlines, stale
+replicas, breaker cool-downs). It never blocks and never does I/O; the asyncio
+service and the Ray actor around it only wait and deliver.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+from cluster.config import RouterConfig
+from router.admission import ClassQueues, Ewma, RateMeter, Waiting
+from router.breakers import ExpertBreakers, ReplicaBreaker
+from router.policies import (
+    ExpertAware,
+    LeastLoaded,
+    Policy,
+    PrefixAware,
+    WeightedRoundRobin,
+)
+from router.prefix import PrefixDirectory
+from router.qos import QoS
+from router.replicas import Lease, Replica
+from router.types import (
+    Counters,
+    Outcome,
+    Release,
+    ReplicaId,
+    ReplicaReport,
+    RouteDecision,
+    Shed,
+    Ticket,
+    Transition,
+)
+
+Clock = Callable[[], float]
+LEASE_GRACE_S = 3.0  # a dispatched request shows up in its replica's reports by then
+RELEASED_MEMORY_S = 10.0
+MIN_RETRY_S, MAX_RETRY_S = 0.5, 30.0
+
+
+class RouterCore:
+    def __init__(
+        self, config: RouterConfig, *, num_experts: int = 0, clock: Clock
+    ) -> None:
+        self.config = config
+        self._clock = clock
+        self._num_experts = num_experts
+        self.queues = ClassQueues(
+            {q: config.class_weights.of(q) for q in QoS},
+            {q: int(config.max_queued.of(q)) for q in QoS},
+        )
+        self.replicas: dict[ReplicaId, Replica] = {}
+        self.directory = PrefixDirectory()
+        self.policy = self._make_policy(config)
+        self.transitions: list[Transition] = []
+        self.counters = Counters()
+        self._where: dict[str, ReplicaId] = {}  # request id -> replica of its lease
+        self._released: dict[str, float] = {}
+        self._ttft = Ewma(0.2, config.default_ttft_ms / 1000)
+        self._freed = RateMeter()
+        self._tokens = itertools.count(1)
+        self._pending_decisions: list[tuple[Waiting, RouteDecision]] = []
+        self.expert_breakers: ExpertBreakers | None = None
+        if config.expert_capacity_tokens is not None and num_experts:
+            self.expert_breakers = ExpertBreakers(
+                num_experts,
+                capacity=config.expert_capacity_tokens,
+                normal_factor=config.expert_normal_factor,
+                close_ratio=config.expert_close_ratio,
+                clock=clock,
+                emit=self.transitions.append,
+            )
+
+    def _make_policy(self, config: RouterConfig) -> Policy:
+        if config.policy == "weighted_round_robin":
+            return WeightedRoundRobin()
+        if config.policy == "prefix":
+            return PrefixAware(self.directory, config.prefix_balance_tokens)
+        if config.policy == "expert":
+            return ExpertAware(self._num_experts)
+        return LeastLoaded()
+
+    # -- admission -----------------------------------------------------------
+
+    def submit(self, ticket: Ticket) -> Waiting | RouteDecision:
+        """Dispatches ``ticket`` now, queues it, or raises ``Shed``."""
+        now = self._clock()
+        qos = ticket.qos
+        if ticket.deadline_s is not None and ticket.deadline_s < self._ttft.value:
+            self._count_shed(qos, "deadline")
+            raise Shed(
+                "deadline",
+                f"deadline_ms={ticket.deadline_s * 1000:.0f} is shorter than the "
+                f"expected time to first token ({self._ttft.value * 1000:.0f} ms)",
+                self.retry_after(qos),
+            )
+        if self.queues.full(qos):
+            self._count_shed(qos, "queue-full")
+            raise Shed(
+                "queue-full",
+                f"the {qos.name.lower()} queue is full "
+                f"({self.queues.depth(qos)} waiting); retry later",
+                self.retry_after(qos),
+            )
+        deadline_at = None if ticket.deadline_s is None else now + ticket.deadline_s
+        waiting = Waiting(ticket, now, deadline_at, next(self._tokens))
+        estimate = self.expected_wait(qos)
+        self.queues.push(waiting)
+        for w, decision in self.pump():
+            if w is waiting:
+                return decision
+            self._pending_decisions.append((w, decision))
+        if deadline_at is not None and now + estimate + self._ttft.value > deadline_at:
+            self.queues.drop(waiting)
+            self._count_shed(qos, "deadline")
+            raise Shed(
+                "deadline",
+                f"expected wait {estimate * 1000:.0f} ms plus time to first token "
+                f"exceeds deadline_ms={ticket.deadline_s * 1000:.0f}",  # type: ignore[operator]
+                max(estimate, MIN_RETRY_S),
+            )
+        return waiting
+
+    def take_dispatched(self) -> list[tuple[Waiting, RouteDecision]]:
+        """Dispatches made by ``submit`` on behalf of other waiting requests."""
+        out, self._pending_decisions = self._pending_decisions, []
+        return out
+
+    def expected_wait(self, qos: QoS) -> float:
+        """Seconds a new ``qos`` request would wait for dispatch (0 if unknown)."""
+        now = self._clock()
+        if self.queues.depth(qos) == 0 and self._candidates(qos):
+            return 0.0
+        rate = self._freed.rate(now)
+        if rate is None:
+            return 0.0
+        return self.queues.ahead_of_new(qos) / rate
+
+    def retry_after(self, qos: QoS) -> float:
+        rate = self._freed.rate(self._clock())
+        if rate is None:
+            return 1.0
+        wait = self.queues.ahead_of_new(qos) / rate
+        return min(max(wait, MIN_RETRY_S), MAX_RETRY_S)
+
+    def cancel(self, waiting: Waiting) -> None:
+        """The caller gave up on a queued request."""
+        if waiting in self.queues.waiting(waiting.ticket.qos):
+            self.queues.drop(waiting)
+
+    def pump(self) -> list[tuple[Waiting, RouteDecision]]:
+        """Dispatches queued requests, in weighted fair order, while replicas have
+        room. A request an expert breaker defers is skipped, not blocking others."""
+        out: list[tuple[Waiting, RouteDecision]] = []
+        expert_load = self._expert_load() if self.expert_breakers else None
+        blocked: set[QoS] = set()
+        while True:
+            progressed = False
+            for qos in self.queues.classes_in_order():
+                if qos in blocked:
+                    continue
+                candidates = self._candidates(qos)
+                if not candidates:
+                    blocked.add(qos)
+                    continue
+                for w in self.queues.waiting(qos):
+                    if self.expert_breakers and self.expert_breakers.defers(
+                        qos, w.ticket.expert_hist
+                    ):
+                        continue
+                    out.append((w, self._dispatch(w, candidates)))
+                    if expert_load is not None and self.expert_breakers:
+                        for e, n in enumerate(w.ticket.expert_hist):
+                            expert_load[e] += n
+                        self.expert_breakers.update(expert_load)
+                    progressed = True
+                    break
+                if progressed:
+                    break
+            if not progressed:
+                return out
+
+    def _candidates(self, qos: QoS) -> list[Replica]:
+        slots, reserved = (
+            self.config.max_running_per_replica,
+            self.config.realtime_reserved_slots,
+        )
+        return [
+            r
+            for r in self.replicas.values()
+            if r.breaker.allows() and r.slots_free(qos, slots, reserved)
+        ]
+
+    def _dispatch(self, w: Waiting, candidates: list[Replica]) -> RouteDecision:
+        t = w.ticket
+        replica, reason, cached = self.policy.choose(t, candidates)
+        if replica.breaker.on_dispatch():
+            reason = "half-open-probe"
+        now = self._clock()
+        replica.leases[t.request_id] = Lease(
+            t.request_id, t.qos, t.prompt_tokens, t.max_tokens, now, t.expert_hist
+        )
+        self._where[t.request_id] = replica.replica_id
+        self.queues.take(w)
+        self.counters.admitted[t.qos] += 1
+        return RouteDecision(
+            replica.replica_id, reason, cached, now - w.submitted_at, t.expert_hist
+        )
+
+    # -- feedback ------------------------------------------------------------
+
+    def release(self, release: Release) -> None:
+        now = self._clock()
+        rid = release.request_id
+        self._released[rid] = now
+        where = self._where.pop(rid, None)
+        replica = self.replicas.get(where) if where is not None else None
+        if replica is not None:
+            replica.leases.pop(rid, None)
+        self._freed.add(now)
+        if release.ttft_s is not None:
+            self._ttft.add(release.ttft_s)
+        blamed = self.replicas.get(release.replica_id or where or ReplicaId(""))
+        if blamed is None:
+            return  # a replica the router no longer (or not yet) knows
+        if release.outcome is Outcome.OK:
+            blamed.breaker.record(True)
+        elif release.outcome in (Outcome.FAILED, Outcome.TIMEOUT):
+            blamed.breaker.record(False)
+        else:
+            blamed.breaker.abandon_probe()
+
+    def report(self, report: ReplicaReport) -> None:
+        now = self._clock()
+        replica = self.replicas.get(report.replica_id)
+        if replica is None:
+            replica = Replica(
+                report.replica_id,
+                ReplicaBreaker(
+                    report.replica_id,
+                    failures=self.config.breaker_failures,
+                    open_s=self.config.breaker_open_s,
+                    clock=self._clock,
+                    emit=self.transitions.append,
+                ),
+                now,
+            )
+            self.replicas[report.replica_id] = replica
+        replica.reconcile(report, now, LEASE_GRACE_S, set(self._released))
+        for rid in replica.leases:
+            self._where[rid] = replica.replica_id
+        self.directory.apply(report.replica_id, report.kv_events)
+
+    def tick(self) -> list[tuple[Waiting, Shed]]:
+        """Drops silent replicas and sheds queued requests that can no longer meet
+        their deadline (or waited ``max_wait_s``). Call ``pump`` after."""
+        now = self._clock()
+        for rid, replica in list(self.replicas.items()):
+            if now - replica.last_report_at > self.config.replica_stale_s:
+                del self.replicas[rid]
+                self.directory.forget(rid)
+                self.transitions.append(
+                    Transition(
+                        "replica", rid, replica.breaker.state, "gone", now, "no report"
+                    )
+                )
+        for req, at in list(self._released.items()):
+            if now - at > RELEASED_MEMORY_S:
+                del self._released[req]
+        self._where = {
+            req: r
+            for req, r in self._where.items()
+            if r in self.replicas and req in self.replicas[r].leases
+        }
+        if self.expert_breakers:
+            self.expert_breakers.update(self._expert_load())
+        shed: list[tuple[Waiting, Shed]] = []
+        for qos in QoS:
+            for w in self.queues.waiting(qos):
+                if w.deadline_at is not None and now + self._ttft.value > w.deadline_at:
+                    reason, msg = "deadline", "the deadline can no longer be met"
+                elif now - w.submitted_at > self.config.max_wait_s:
+                    reason, msg = "queue-timeout", "waited too long for a replica"
+                else:
+                    continue
+                self.queues.drop(w)
+                self._count_shed(qos, reason)
+                shed.append((w, Shed(reason, msg, self.retry_after(qos))))
+        return shed
+
+    def _expert_load(self) -> list[float]:
+        load = [0.0] * self._num_experts
+        for r in self.replicas.values():
+            for e, x in enumerate(r.expert_load(self._num_experts)):
+                load[e] += x
+        return load
+
+    def _count_shed(self, qos: QoS, reason: str) -> None:
+        key = (qos, reason)
+        self.counters.shed[key] = self.counters.shed.get(key, 0) + 1
+
+    def snapshot(self) -> dict[str, Any]:
+        now = self._clock()
+        return {
+            "policy": self.policy.name,
+            "replicas": {
+                rid: {
+                    "running": r.running,
+                    "load_tokens": r.load_tokens,
+                    "tokens_per_s": r.tokens_per_s,
+                    "breaker": r.breaker.state,
+                    "cached_blocks": self.directory.num_blocks(rid),
+                }
+                for rid, r in sorted(self.replicas.items())
+            },
+            "queued": {q.name.lower(): self.queues.depth(q) for q in QoS},
+            "admitted": {q.name.lower(): n for q, n in self.counters.admitted.items()},
+            "shed": {
+                f"{q.name.lower()}/{why}": n
+                for (q, why), n in self.counters.shed.items()
+            },
+            "ttft_estimate_s": self._ttft.value,
+            "dispatch_rate": self._freed.rate(now),
+            "hot_experts": self.expert_breakers.hot() if self.expert_breakers else [],
+        }

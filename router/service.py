@@ -1,0 +1,156 @@
+"""``RouterCore`` made awaitable: ``admit`` waits until its request is dispatched or
+shed, while a ticker moves time (deadlines, stale replicas, breaker cool-downs).
+
+Plain asyncio, no Ray: the Ray actor wraps one of these, and unit tests drive one
+directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from router.admission import Waiting
+from router.core import RouterCore
+from router.types import (
+    Outcome,
+    Release,
+    ReplicaReport,
+    RouteDecision,
+    Shed,
+    Ticket,
+    Transition,
+)
+
+logger = logging.getLogger("moe_cluster.router")
+
+
+class RouterService:
+    def __init__(
+        self,
+        core: RouterCore,
+        *,
+        tick_s: float = 0.05,
+        on_transition: Callable[[Transition], None] | None = None,
+        on_decision: Callable[[float], None] | None = None,
+    ) -> None:
+        self.core = core
+        self._tick_s = tick_s
+        self._futures: dict[int, asyncio.Future[RouteDecision]] = {}
+        self._on_transition = on_transition
+        self._on_decision = on_decision
+        self.decision_s: deque[float] = deque(maxlen=10_000)  # per dispatched request
+        self._ticker: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._ticker is None:
+            self._ticker = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+            self._ticker = None
+
+    async def admit(self, ticket: Ticket) -> RouteDecision:
+        """Waits for ``ticket``'s dispatch; raises ``Shed`` when it is refused."""
+        t0 = time.perf_counter()
+        try:
+            result = self.core.submit(ticket)
+        finally:
+            self._drain()
+        self._deliver(self.core.take_dispatched())
+        if isinstance(result, RouteDecision):
+            self._decided(time.perf_counter() - t0)
+            return result
+        fut: asyncio.Future[RouteDecision] = asyncio.get_running_loop().create_future()
+        self._futures[result.token] = fut
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self._abandon(result, fut)
+            raise
+        finally:
+            self._futures.pop(result.token, None)
+
+    def _abandon(self, waiting: Waiting, fut: asyncio.Future[RouteDecision]) -> None:
+        if fut.done() and not fut.cancelled() and fut.exception() is None:
+            # Dispatched just as the caller gave up: hand the slot back.
+            self.release(Release(waiting.ticket.request_id, Outcome.CANCELLED))
+        else:
+            self.core.cancel(waiting)
+
+    def release(self, release: Release) -> None:
+        self.core.release(release)
+        self.pump()
+
+    def report(self, report: ReplicaReport) -> None:
+        self.core.report(report)
+        self.pump()
+
+    def pump(self) -> None:
+        t0 = time.perf_counter()
+        dispatched = self.core.pump()
+        if dispatched:
+            each = (time.perf_counter() - t0) / len(dispatched)
+            for _ in dispatched:
+                self._decided(each)
+        self._deliver(dispatched)
+        self._drain()
+
+    def tick(self) -> None:
+        for waiting, shed in self.core.tick():
+            fut = self._futures.get(waiting.token)
+            if fut is not None and not fut.done():
+                fut.set_exception(shed)
+        self.pump()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._tick_s)
+            try:
+                self.tick()
+            except Exception:  # keep ticking: one bad tick must not stop admission
+                logger.exception("router tick failed")
+
+    def _deliver(self, dispatched: list[tuple[Waiting, RouteDecision]]) -> None:
+        for waiting, decision in dispatched:
+            fut = self._futures.get(waiting.token)
+            if fut is not None and not fut.done():
+                fut.set_result(decision)
+            else:  # its caller is gone: give the slot back
+                self.core.release(Release(waiting.ticket.request_id, Outcome.CANCELLED))
+
+    def _decided(self, seconds: float) -> None:
+        self.decision_s.append(seconds)
+        if self._on_decision is not None:
+            self._on_decision(seconds)
+
+    def _drain(self) -> None:
+        transitions, self.core.transitions[:] = list(self.core.transitions), []
+        for t in transitions:
+            logger.warning(
+                "%s breaker %s: %s -> %s (%s)", t.kind, t.key, t.old, t.new, t.detail
+            )
+            if self._on_transition is not None:
+                self._on_transition(t)
+
+    def snapshot(self) -> dict[str, Any]:
+        snap = self.core.snapshot()
+        lat = sorted(self.decision_s)
+        if lat:
+            snap["decision_us"] = {
+                "p50": lat[len(lat) // 2] * 1e6,
+                "p99": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e6,
+                "n": len(lat),
+            }
+        return snap
+
+
+__all__ = ["RouterService", "Shed"]

@@ -1,0 +1,242 @@
+from typing import Any
+
+import pytest
+
+from cluster.config import RouterConfig
+from router.admission import Waiting
+from router.core import RouterCore
+from router.qos import QoS
+from router.types import (
+    Outcome,
+    Release,
+    ReplicaId,
+    ReplicaReport,
+    RequestProgress,
+    RouteDecision,
+    Shed,
+    Ticket,
+)
+from tests.router.clock import Clock
+
+RT, NORMAL, BG = QoS.REALTIME, QoS.NORMAL, QoS.BACKGROUND
+
+
+def _core(clock: Clock, **kw: Any) -> RouterCore:
+    defaults: dict[str, Any] = {
+        "max_running_per_replica": 2,
+        "realtime_reserved_slots": 1,
+        "max_queued": {"realtime": 10, "normal": 10, "background": 3},
+    }
+    cfg = RouterConfig.model_validate({**defaults, **kw})
+    core = RouterCore(cfg, num_experts=4, clock=clock)
+    for r in ("a", "b"):
+        core.report(ReplicaReport(ReplicaId(r)))
+    return core
+
+
+def _t(rid: str, qos: QoS = NORMAL, **kw: Any) -> Ticket:
+    return Ticket(rid, qos, kw.pop("prompt", 10), kw.pop("max_tokens", 10), **kw)
+
+
+def _ok(core: RouterCore, rid: str, replica: str = "", ttft: float = 0.01) -> None:
+    core.release(
+        Release(rid, Outcome.OK, ReplicaId(replica) if replica else None, ttft)
+    )
+
+
+def test_dispatches_least_loaded_until_slots_are_full_then_queues() -> None:
+    core = _core(Clock())
+    d1 = core.submit(_t("1", prompt=100))
+    d2 = core.submit(_t("2"))
+    assert isinstance(d1, RouteDecision) and isinstance(d2, RouteDecision)
+    assert (d1.replica_id, d2.replica_id) == ("a", "b")
+    assert core.submit(_t("3")).replica_id == "b"  # type: ignore[union-attr]
+    assert core.submit(_t("4")).replica_id == "a"  # type: ignore[union-attr]
+    w = core.submit(_t("5"))  # 2 running on each: full
+    assert isinstance(w, Waiting)
+    assert core.snapshot()["queued"]["normal"] == 1
+    # realtime uses the reserved slot instead of waiting
+    rt = core.submit(_t("r", RT))
+    assert isinstance(rt, RouteDecision) and rt.replica_id == "b"
+    _ok(core, "2")
+    assert core.pump() == []  # b runs 3 with realtime's reserved slot: still full
+    _ok(core, "1")
+    [(waiting, decision)] = core.pump()
+    assert waiting is w and decision.replica_id == "a" and decision.queued_s == 0
+
+
+def test_freed_slots_go_in_weighted_fair_order() -> None:
+    clock = Clock()
+    core = _core(
+        clock,
+        class_weights={"realtime": 2, "normal": 1, "background": 1},
+        realtime_reserved_slots=0,
+    )
+    for i in range(4):
+        core.submit(_t(f"fill{i}"))
+    waiting = [core.submit(_t(f"bg{i}", BG)) for i in range(3)]
+    waiting += [core.submit(_t(f"rt{i}", RT)) for i in range(3)]
+    assert all(isinstance(w, Waiting) for w in waiting)
+    order = []
+    for i in range(4):
+        _ok(core, f"fill{i}")
+        order += [w.ticket.request_id for w, _ in core.pump()]
+    assert order == ["rt0", "bg0", "rt1", "rt2"]
+
+
+def test_impossible_deadline_is_shed_at_once() -> None:
+    core = _core(Clock(), default_ttft_ms=50)
+    with pytest.raises(Shed) as e:
+        core.submit(_t("1", RT, deadline_s=0.001))
+    assert e.value.reason == "deadline" and e.value.retry_after_s == 1.0
+    assert "shorter than the expected time to first token (50 ms)" in str(e.value)
+    assert core.snapshot()["shed"] == {"realtime/deadline": 1}
+
+
+def test_full_class_queue_sheds_with_retry_hint() -> None:
+    core = _core(Clock(), realtime_reserved_slots=0)
+    for i in range(4):
+        core.submit(_t(f"fill{i}"))
+    for i in range(3):
+        core.submit(_t(f"bg{i}", BG))
+    with pytest.raises(Shed, match="background queue is full") as e:
+        core.submit(_t("bg3", BG))
+    assert e.value.reason == "queue-full"
+    assert isinstance(
+        core.submit(_t("n", NORMAL)), Waiting
+    )  # other classes still queue
+
+
+def test_deadline_shed_from_measured_dispatch_rate() -> None:
+    clock = Clock()
+    core = _core(
+        clock,
+        realtime_reserved_slots=0,
+        max_queued={"realtime": 50, "normal": 50, "background": 50},
+    )
+    for i in range(4):
+        core.submit(_t(f"fill{i}"))
+    for i in range(4):  # 4 slots freed in 2 s: 2 per second
+        clock.advance(0.5)
+        _ok(core, f"fill{i}", ttft=0.02)
+        core.submit(_t(f"again{i}"))
+        core.pump()
+    for i in range(6):
+        core.submit(_t(f"q{i}"))
+    # 6 dispatches ahead of a new normal request at 2/s: 3 s, plus 20 ms TTFT
+    assert core.expected_wait(NORMAL) == pytest.approx(3.0)
+    assert isinstance(core.submit(_t("ok", deadline_s=3.1)), Waiting)
+    with pytest.raises(Shed, match="expected wait 3500 ms") as e:
+        core.submit(_t("late", deadline_s=3.5))
+    assert e.value.retry_after_s == pytest.approx(3.5)
+
+
+def test_tick_sheds_requests_whose_deadline_passed_in_queue() -> None:
+    clock = Clock()
+    core = _core(clock, realtime_reserved_slots=0, max_wait_s=30)
+    for i in range(4):
+        core.submit(_t(f"fill{i}"))
+    w = core.submit(_t("d", deadline_s=1.0))
+    forever = core.submit(_t("f"))
+    clock.advance(0.96)  # 0.96 + 50 ms TTFT estimate > 1.0
+    [(shed_w, shed)] = core.tick()
+    assert shed_w is w and shed.reason == "deadline"
+    clock.advance(30)
+    [(shed_w, shed)] = core.tick()
+    assert shed_w is forever and shed.reason == "queue-timeout"
+
+
+def test_failing_replica_is_opened_and_probed() -> None:
+    clock = Clock()
+    core = _core(clock, breaker_failures=2, breaker_open_s=5, max_running_per_replica=8)
+    for i in range(2):
+        d = core.submit(_t(f"x{i}", prompt=1000))  # heavy: keeps choosing "b" next
+        core.release(Release(f"x{i}", Outcome.FAILED, ReplicaId("a")))
+    assert core.snapshot()["replicas"]["a"]["breaker"] == "open"
+    picks = set()
+    for i in range(3):
+        d = core.submit(_t(f"y{i}"))
+        assert isinstance(d, RouteDecision)
+        picks.add(d.replica_id)
+    assert picks == {"b"}
+    clock.advance(5)
+    probe = core.submit(_t("p", RT))
+    assert isinstance(probe, RouteDecision)
+    assert (probe.replica_id, probe.reason) == ("a", "half-open-probe")
+    _ok(core, "p", "a")
+    assert core.snapshot()["replicas"]["a"]["breaker"] == "closed"
+    kinds = [(t.key, t.new) for t in core.transitions]
+    assert kinds == [("a", "open"), ("a", "half-open"), ("a", "closed")]
+
+
+def test_cancelled_requests_do_not_count_against_the_replica() -> None:
+    core = _core(Clock(), breaker_failures=1)
+    core.submit(_t("x"))
+    core.release(Release("x", Outcome.CANCELLED, ReplicaId("a")))
+    assert core.snapshot()["replicas"]["a"]["breaker"] == "closed"
+
+
+def test_restarted_router_rebuilds_leases_from_reports() -> None:
+    clock = Clock()
+    core = _core(clock)
+    busy = tuple(
+        RequestProgress(f"s{i}", 10, 3, 10) for i in range(2)
+    )  # streams running on a when the router restarted
+    core.report(ReplicaReport(ReplicaId("a"), busy, tokens_per_s=50))
+    snap = core.snapshot()["replicas"]["a"]
+    assert snap["running"] == 2 and snap["load_tokens"] == 14
+    assert core.submit(_t("new")).replica_id == "b"  # type: ignore[union-attr]
+    _ok(core, "s0")  # a stream finished: released...
+    core.report(ReplicaReport(ReplicaId("a"), busy))  # ...and a stale report lists it
+    assert core.snapshot()["replicas"]["a"]["running"] == 1
+    core.report(ReplicaReport(ReplicaId("a"), ()))
+    assert core.snapshot()["replicas"]["a"]["running"] == 0
+
+
+def test_dispatched_lease_survives_reports_until_grace() -> None:
+    clock = Clock()
+    core = _core(clock)
+    core.submit(_t("x"))  # to a
+    core.report(ReplicaReport(ReplicaId("a")))  # too early to be listed
+    assert core.snapshot()["replicas"]["a"]["running"] == 1
+    clock.advance(3.1)
+    core.report(ReplicaReport(ReplicaId("a")))
+    assert core.snapshot()["replicas"]["a"]["running"] == 0
+
+
+def test_silent_replica_is_dropped() -> None:
+    clock = Clock()
+    core = _core(clock, replica_stale_s=5)
+    clock.advance(4)
+    core.report(ReplicaReport(ReplicaId("b")))
+    clock.advance(2)
+    core.tick()
+    assert list(core.snapshot()["replicas"]) == ["b"]
+    assert core.transitions[-1].new == "gone"
+
+
+def test_expert_breaker_defers_background_not_realtime() -> None:
+    core = _core(
+        Clock(),
+        expert_capacity_tokens=10,
+        expert_normal_factor=2,
+        max_running_per_replica=8,
+    )
+    hot = (8, 0, 0, 0)
+    assert isinstance(core.submit(_t("1", NORMAL, expert_hist=hot)), RouteDecision)
+    assert isinstance(core.submit(_t("2", NORMAL, expert_hist=hot)), RouteDecision)
+    assert core.snapshot()["hot_experts"] == [0]  # 16 > 10
+    bg = core.submit(_t("bg", BG, expert_hist=hot))
+    assert isinstance(bg, Waiting)  # deferred
+    cool = core.submit(_t("bg-cool", BG, expert_hist=(0, 4, 0, 0)))
+    assert isinstance(cool, RouteDecision)  # other experts are fine
+    assert isinstance(core.submit(_t("n", NORMAL, expert_hist=hot)), RouteDecision)
+    # 24 > 20: normal now deferred too, realtime still runs
+    assert isinstance(core.submit(_t("n2", NORMAL, expert_hist=hot)), Waiting)
+    assert isinstance(core.submit(_t("r", RT, expert_hist=hot)), RouteDecision)
+    for rid in ("1", "2", "n", "r"):
+        _ok(core, rid)
+    core.tick()
+    assert core.snapshot()["hot_experts"] == []
+    released = {w.ticket.request_id for w, _ in core.pump()}
+    assert released == {"bg", "n2"}

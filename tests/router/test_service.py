@@ -1,0 +1,71 @@
+import asyncio
+
+import pytest
+
+from cluster.config import RouterConfig
+from router.core import RouterCore
+from router.qos import QoS
+from router.service import RouterService
+from router.types import (
+    Outcome,
+    Release,
+    ReplicaId,
+    ReplicaReport,
+    Shed,
+    Ticket,
+    Transition,
+)
+from tests.router.clock import Clock
+
+
+def _service(clock: Clock, transitions: list[Transition]) -> RouterService:
+    cfg = RouterConfig(max_running_per_replica=1, realtime_reserved_slots=0)
+    svc = RouterService(
+        RouterCore(cfg, clock=clock), tick_s=0.01, on_transition=transitions.append
+    )
+    svc.report(ReplicaReport(ReplicaId("a")))
+    return svc
+
+
+async def test_admit_waits_for_a_free_slot() -> None:
+    svc = _service(Clock(), [])
+    first = await svc.admit(Ticket("1", QoS.NORMAL, 4, 4))
+    assert first.replica_id == "a"
+    waiting = asyncio.create_task(svc.admit(Ticket("2", QoS.NORMAL, 4, 4)))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    svc.release(Release("1", Outcome.OK, ReplicaId("a"), 0.01))
+    second = await asyncio.wait_for(waiting, 1)
+    assert second.replica_id == "a" and second.reason == "least-loaded"
+    assert svc.snapshot()["decision_us"]["n"] == 2
+
+
+async def test_cancelled_admit_leaves_the_queue() -> None:
+    svc = _service(Clock(), [])
+    await svc.admit(Ticket("1", QoS.NORMAL, 4, 4))
+    waiting = asyncio.create_task(svc.admit(Ticket("2", QoS.NORMAL, 4, 4)))
+    await asyncio.sleep(0)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert svc.snapshot()["queued"]["normal"] == 0
+
+
+async def test_ticker_sheds_expired_and_reports_transitions() -> None:
+    clock, transitions = Clock(), []
+    svc = _service(clock, transitions)
+    svc.start()
+    try:
+        await svc.admit(Ticket("1", QoS.NORMAL, 4, 4))
+        waiting = asyncio.create_task(
+            svc.admit(Ticket("2", QoS.REALTIME, 4, 4, deadline_s=0.5))
+        )
+        await asyncio.sleep(0.02)
+        clock.advance(0.5)
+        with pytest.raises(Shed, match="can no longer be met"):
+            await asyncio.wait_for(waiting, 1)
+        for _ in range(3):
+            svc.release(Release("x", Outcome.FAILED, ReplicaId("a")))
+        assert [(t.key, t.new) for t in transitions] == [("a", "open")]
+    finally:
+        await svc.stop()
