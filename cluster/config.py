@@ -108,14 +108,25 @@ class DeploymentConfig(_Strict):
 
 
 class PerClass(_Strict):
-    """One value per QoS class."""
+    """One weight per QoS class."""
 
-    realtime: float
-    normal: float
-    background: float
+    realtime: float = Field(gt=0)
+    normal: float = Field(gt=0)
+    background: float = Field(gt=0)
 
     def of(self, qos: QoS) -> float:
         return float(getattr(self, qos.name.lower()))
+
+
+class PerClassCount(_Strict):
+    """One count per QoS class."""
+
+    realtime: int = Field(ge=0)
+    normal: int = Field(ge=0)
+    background: int = Field(ge=0)
+
+    def of(self, qos: QoS) -> int:
+        return int(getattr(self, qos.name.lower()))
 
 
 class RouterConfig(_Strict):
@@ -150,8 +161,10 @@ class RouterConfig(_Strict):
         description="Weighted fair share of freed slots per class while all are "
         "waiting; every weight > 0, so background is never starved.",
     )
-    max_queued: PerClass = Field(
-        default_factory=lambda: PerClass(realtime=256, normal=512, background=1024),
+    max_queued: PerClassCount = Field(
+        default_factory=lambda: PerClassCount(
+            realtime=256, normal=512, background=1024
+        ),
         description="Requests waiting per class beyond which new ones are refused "
         "with RESOURCE_EXHAUSTED / 429.",
     )

@@ -6,13 +6,14 @@ from pathlib import Path
 from typing import Any
 
 from ray import serve
-from ray.serve.config import HTTPOptions, gRPCOptions
+from ray.serve.config import HTTPOptions, RequestRouterConfig, gRPCOptions
 from ray.serve.deployment import Application
 
 from cluster.config import ClusterConfig
 from cluster.tiny_model import write_tiny_model
 from deployments.engine import EngineDeployment, engine_env
 from deployments.ingress import Ingress
+from deployments.pinned_router import PinnedRequestRouter
 
 GRPC_SERVICERS = [
     "deployments.grpc_api.add_inference_servicer",
@@ -33,7 +34,14 @@ def prepare_model(config: ClusterConfig) -> ClusterConfig:
 
 def build_app(config: ClusterConfig) -> Application:
     d = config.deployment
+    routing: dict[str, Any] = {}
+    if config.router.enabled:
+        # The DeepSeekRouter orders and places; Serve only delivers.
+        routing["request_router_config"] = RequestRouterConfig(
+            request_router_class=PinnedRequestRouter
+        )
     engine = EngineDeployment.options(
+        **routing,
         num_replicas=d.num_replicas,
         max_ongoing_requests=d.max_ongoing_requests,
         max_queued_requests=d.max_queued_requests,

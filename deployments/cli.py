@@ -26,6 +26,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from deployments.app import deploy, prepare_model
+    from router import actor as router_actor
 
     config = prepare_model(_config(args.config))
     started = time.monotonic()
@@ -54,6 +55,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Graceful: each engine replica shuts its vLLM engine down. Killing Ray's
     # workers instead would orphan vLLM's engine processes.
     serve.shutdown()
+    router_actor.kill(config.server.app_name)
     ray.shutdown()
     return 0
 

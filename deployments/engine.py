@@ -24,7 +24,10 @@ from deployments.protocol import (
     Sampling,
     Started,
 )
+from deployments.reporter import Reporter
 from deployments.stream_batcher import DeltaBatcher
+from router.qos import QoS
+from router.types import RequestProgress
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -92,7 +95,8 @@ class VLLMEngine:
         self._engine = engine
         self.replica_id = replica_id
         self._stream_interval_s = stream_interval_s
-        self._running: set[str] = set()
+        self._running: dict[str, list[int]] = {}  # id -> [prompt, output, max, qos]
+        self.tokens_generated = 0
 
     @classmethod
     def start(cls, config: ClusterConfig, replica_id: str) -> VLLMEngine:
@@ -107,7 +111,13 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         rid = request.request_id
-        self._running.add(rid)
+        progress = [
+            len(request.prompt_token_ids),
+            0,
+            request.sampling.max_tokens,
+            int(request.qos),
+        ]
+        self._running[rid] = progress
         completion = 0
         finished = False
         try:
@@ -123,6 +133,8 @@ class VLLMEngine:
             async for out in outputs:
                 seq = out.outputs[0]
                 completion += len(seq.token_ids)
+                progress[1] = completion
+                self.tokens_generated += len(seq.token_ids)
                 delta = batcher.add(list(seq.token_ids), seq.text, clock())
                 if delta is not None:
                     yield delta
@@ -138,7 +150,7 @@ class VLLMEngine:
                         replica_id=self.replica_id,
                     )
         finally:
-            self._running.discard(rid)
+            self._running.pop(rid, None)
             if not finished:
                 # Consumer cancelled or closed the stream: free the engine slot.
                 await self._engine.abort(rid)
@@ -158,6 +170,12 @@ class VLLMEngine:
             pid=os.getpid(),
         )
 
+    def progress(self) -> tuple[RequestProgress, ...]:
+        return tuple(
+            RequestProgress(rid, p, out, mx, QoS(q))
+            for rid, (p, out, mx, q) in self._running.items()
+        )
+
     def shutdown(self) -> None:
         self._engine.shutdown()
 
@@ -174,6 +192,20 @@ class EngineDeployment:
     def __init__(self, config: ClusterConfig) -> None:
         replica_id = serve.get_replica_context().replica_id.unique_id
         self._engine = VLLMEngine.start(config, replica_id)
+        self._reporting: asyncio.Task[None] | None = None
+        if config.router.enabled:
+            from router import actor
+
+            reporter = Reporter(
+                replica_id,
+                progress=self._engine.progress,
+                tokens_generated=lambda: self._engine.tokens_generated,
+                connect=lambda: actor.get_or_create(
+                    config.router, config.server.app_name, config.model.path
+                ),
+                interval_s=config.router.report_interval_s,
+            )
+            self._reporting = asyncio.get_running_loop().create_task(reporter.run())
         logger.info("engine replica %s ready", replica_id)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -30,11 +31,14 @@ from deployments.errors import (
 )
 from deployments.protocol import EngineEvent, EngineRequest, Finish, Started, TokenDelta
 from deployments.validation import InvalidRequest, Limits
+from router.tickets import TicketMaker
+from router.types import Outcome, Release, ReplicaId, RouteDecision, Shed, Ticket
 
 logger = logging.getLogger("moe_cluster.ingress")
 
 OVERLOAD_RETRY_S = 1.0
 OPEN_ATTEMPTS = 3  # engine failures before the first output are retried
+ADMIT_GRACE_S = 1.0
 
 
 class EngineStream(Protocol):
@@ -43,6 +47,26 @@ class EngineStream(Protocol):
 
 
 OpenStream = Callable[[EngineRequest], EngineStream]
+
+
+class Admission(Protocol):
+    """The DeepSeekRouter as the ingress sees it."""
+
+    tickets: TicketMaker
+
+    async def admit(self, ticket: Ticket) -> RouteDecision:
+        """Waits until the request may run and says where; raises ``Shed``."""
+        ...
+
+    def release(self, release: Release) -> None: ...
+
+
+@dataclass(slots=True)
+class _Placement:
+    replica_id: str  # where the router put it; then where it actually started
+    dispatched_at: float
+    started: bool = False
+    ttft_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +109,12 @@ class ModelFacts:
 class _NotOpen:
     """Placeholder in the in-flight table while a request's stream opens."""
 
+    def __init__(self, waiting: asyncio.Future[Any] | None = None) -> None:
+        self.waiting = waiting  # the admission wait, cancelled by an abort
+
     def cancel(self) -> None:
-        pass
+        if self.waiting is not None:
+            self.waiting.cancel()
 
     def __aiter__(self) -> AsyncIterator[EngineEvent]:
         raise RuntimeError("not open")
@@ -120,14 +148,17 @@ class Frontend:
         limits: Limits,
         api_keys: Iterable[str],
         open_stream: OpenStream,
+        admission: Admission | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.facts = facts
         self.limits = limits
         self._api_keys = tuple(k.encode() for k in api_keys)
         self._open_stream = open_stream
+        self._admission = admission
         self._inflight: dict[str, EngineStream] = {}  # request id -> open stream
         self._aborted: set[str] = set()
+        self._placed: dict[str, _Placement] = {}  # requests the router dispatched
 
     # -- admission -----------------------------------------------------------
 
@@ -177,6 +208,7 @@ class Frontend:
         replica = ""
         completion = 0
         done = False
+        outcome = Outcome.CANCELLED  # unless it finishes, or the replica fails it
         try:
             events, head = await self._open(request, deadline_s)
             async for event in _chain(head, events):
@@ -189,12 +221,16 @@ class Frontend:
                 yield event
             if not done:
                 raise EngineUnavailable("engine stream ended without finishing")
+            outcome = Outcome.OK
         except (RequestCancelledError, asyncio.CancelledError):
             if rid not in self._aborted:
                 raise
             done = True
             yield Finish("abort", len(request.prompt_token_ids), completion, 0, replica)
         except TimeoutError:
+            placed = self._placed.get(rid)
+            if placed is not None and not placed.started:
+                outcome = Outcome.TIMEOUT  # the replica never took it: stuck
             raise DeadlineMissed(
                 f"no first token within deadline_ms={round((deadline_s or 0) * 1000)}"
             ) from None
@@ -206,6 +242,7 @@ class Frontend:
         except (InvalidRequest, ServiceError):
             raise
         except Exception as e:
+            outcome = Outcome.FAILED
             logger.warning("request %s failed on replica %r: %r", rid, replica, e)
             raise EngineUnavailable(
                 "the engine replica serving this request failed; retry"
@@ -215,21 +252,62 @@ class Frontend:
             self._aborted.discard(rid)
             if not done:
                 _cancel(stream)
+            self._settle(rid, outcome)
+
+    async def _admit(
+        self, request: EngineRequest, deadline: float | None
+    ) -> EngineRequest:
+        """Waits for the router to dispatch ``request``; returns it placed."""
+        if self._admission is None:
+            return request
+        loop = asyncio.get_running_loop()
+        remaining = None if deadline is None else max(deadline - loop.time(), 1e-3)
+        ticket = self._admission.tickets.make(
+            request.request_id,
+            request.qos,
+            request.prompt_token_ids,
+            request.sampling.max_tokens,
+            remaining,
+        )
+        waiting = asyncio.ensure_future(self._admission.admit(ticket))
+        self._inflight[request.request_id] = _NotOpen(waiting)
+        try:
+            # The router sheds what cannot meet its deadline; the grace only
+            # guards against a router that does not answer.
+            limit = None if remaining is None else remaining + ADMIT_GRACE_S
+            decision = await asyncio.wait_for(waiting, limit)
+        except Shed as e:
+            raise Overloaded(str(e), retry_after_s=e.retry_after_s) from None
+        except (asyncio.CancelledError, TimeoutError):
+            # Aborted, disconnected or out of time while queued: leave the queue.
+            self._admission.release(Release(request.request_id, Outcome.CANCELLED))
+            raise
+        self._placed[request.request_id] = _Placement(decision.replica_id, loop.time())
+        return dataclasses.replace(request, replica_id=decision.replica_id)
+
+    def _settle(self, rid: str, outcome: Outcome) -> None:
+        placed = self._placed.pop(rid, None)
+        if placed is None or self._admission is None:
+            return
+        replica = ReplicaId(placed.replica_id)
+        self._admission.release(Release(rid, outcome, replica, placed.ttft_s))
 
     async def _open(
         self, request: EngineRequest, deadline_s: float | None
     ) -> tuple[AsyncIterator[EngineEvent], list[EngineEvent]]:
-        """Opens the engine stream and reads up to its first output.
+        """Admits the request, opens its engine stream and reads up to its first
+        output.
 
         Returns the stream's remaining events and those already read. An engine
-        failure before any output is retried on a fresh stream (the handle may
+        failure before any output is retried on a fresh stream (the router may
         pick another replica): nothing has reached the client yet.
         """
         rid = request.request_id
         loop = asyncio.get_running_loop()
         deadline = None if deadline_s is None else loop.time() + deadline_s
         for attempt in range(1, OPEN_ATTEMPTS + 1):
-            stream = self._open_stream(request)
+            placed_request = await self._admit(request, deadline)
+            stream = self._open_stream(placed_request)
             self._inflight[rid] = stream
             events = aiter(stream)
             head: list[EngineEvent] = []
@@ -237,6 +315,7 @@ class Frontend:
                 while not head or isinstance(head[-1], Started):
                     timeout = None if deadline is None else deadline - loop.time()
                     head.append(await asyncio.wait_for(anext(events), timeout))
+                    self._mark(rid, head[-1], loop.time())
                 return events, head
             except StopAsyncIteration:
                 return events, head
@@ -246,10 +325,21 @@ class Frontend:
                 _cancel(stream)
                 if attempt == OPEN_ATTEMPTS or rid in self._aborted:
                     raise
+                self._settle(rid, Outcome.FAILED)
                 logger.warning(
                     "request %s: engine failed before output (%r); retrying", rid, e
                 )
         raise AssertionError("unreachable")
+
+    def _mark(self, rid: str, event: EngineEvent, now: float) -> None:
+        placed = self._placed.get(rid)
+        if placed is None:
+            return
+        if isinstance(event, Started):
+            placed.started = True
+            placed.replica_id = event.replica_id  # Serve may have had to move it
+        elif placed.ttft_s is None:
+            placed.ttft_s = now - placed.dispatched_at
 
     def abort(self, request_id: str) -> bool:
         """Cancels an in-flight request; False when none has that id."""

@@ -27,6 +27,10 @@ from deployments.frontend import Frontend, ModelFacts
 from deployments.grpc_api import MalformedRequest
 from deployments.proto import inference_pb2 as pb
 from deployments.protocol import EngineEvent, EngineRequest, Finish, TokenDelta
+from deployments.router_client import RouterClient
+from router import actor as router_actor
+from router.experts import ExpertPredictor
+from router.tickets import TicketMaker
 
 logger = logging.getLogger("moe_cluster.ingress")
 app = FastAPI(title="moe-cluster", docs_url=None, redoc_url=None)
@@ -98,6 +102,22 @@ async def _sse(
     yield openai_api.sse("[DONE]")
 
 
+def _router_client(config: ClusterConfig) -> RouterClient | None:
+    r = config.router
+    if not r.enabled:
+        return None
+    use_experts = r.policy == "expert" or r.expert_capacity_tokens is not None
+    tickets = TicketMaker(
+        block_size=config.engine.block_size,
+        hash_blocks=r.policy == "prefix",
+        predictor=(
+            ExpertPredictor.from_checkpoint(config.model.path) if use_experts else None
+        ),
+    )
+    app, model = config.server.app_name, config.model.path
+    return RouterClient(lambda: router_actor.get_or_create(r, app, model), tickets)
+
+
 @serve.deployment(name="Ingress")
 @serve.ingress(app)
 class Ingress:
@@ -119,6 +139,7 @@ class Ingress:
             ),
             api_keys=[k.get_secret_value() for k in config.server.api_keys],
             open_stream=self._open_stream,
+            admission=_router_client(config),
         )
 
     def _open_stream(self, request: EngineRequest) -> Any:
@@ -283,7 +304,7 @@ class Ingress:
                     "body", f"is {len(body)} bytes; the limit is {limit}"
                 )
             req, engine_req, deadline = openai_api.engine_request(
-                body, kind, self.frontend
+                body, kind, self.frontend, request.headers
             )
             shape = openai_api.ResponseShape(
                 "chat" if kind == "chat" else "completion",

@@ -1,15 +1,17 @@
 """OpenAI-compatible request models and response shapes (no I/O here).
 
 Requests accept OpenAI's fields plus three extensions: ``qos``, ``deadline_ms``
-and ``tenant``. Fields that would change the meaning of the answer and are not
-implemented (``n`` > 1, ``logprobs``, ``echo``, ``tools`` ...) are rejected with
-400 rather than ignored.
+and ``tenant``; the first two may also come as ``X-QoS`` and ``X-Deadline-Ms``
+headers (for clients that cannot add body fields), the body winning. Fields that
+would change the meaning of the answer and are not implemented (``n`` > 1,
+``logprobs``, ``echo``, ``tools`` ...) are rejected with 400 rather than ignored.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -120,14 +122,36 @@ def qos_of(req: _Request) -> QoS:
     return QoS.parse(req.qos)
 
 
+def _apply_headers(req: Any, headers: Mapping[str, str]) -> None:
+    fields = req.model_fields_set
+    qos = headers.get("x-qos")
+    if qos is not None and "qos" not in fields:
+        try:
+            req.qos = QoS.parse(qos).name.lower()
+        except ValueError as e:
+            raise validation.InvalidRequest("X-QoS", str(e)) from None
+    deadline = headers.get("x-deadline-ms")
+    if deadline is not None and "deadline_ms" not in fields:
+        if not deadline.strip().isdigit():
+            raise validation.InvalidRequest(
+                "X-Deadline-Ms",
+                f"must be a whole number of milliseconds, not {deadline!r}",
+            )
+        req.deadline_ms = int(deadline)
+
+
 def engine_request(
-    body: bytes, kind: Literal["completion", "chat"], frontend: Frontend
+    body: bytes,
+    kind: Literal["completion", "chat"],
+    frontend: Frontend,
+    headers: Mapping[str, str] | None = None,
 ) -> tuple[Any, EngineRequest, float | None]:
-    """Validates a request body; returns it parsed, the engine request and the
-    time-to-first-token deadline in seconds."""
+    """Validates a request body (and the QoS headers); returns it parsed, the engine
+    request and the time-to-first-token deadline in seconds."""
     limits = frontend.limits
     req: Any
     req = parse(ChatCompletionRequest if kind == "chat" else CompletionRequest, body)
+    _apply_headers(req, headers or {})
     if req.model != frontend.facts.name:
         raise validation.InvalidRequest(
             "model",

@@ -35,6 +35,7 @@ class EngineRequest:
     sampling: Sampling
     qos: QoS = QoS.NORMAL
     tenant: str = ""
+    replica_id: str = ""  # where the DeepSeekRouter placed it ("" = anywhere)
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,7 +53,7 @@ class RouterCore:
         self._num_experts = num_experts
         self.queues = ClassQueues(
             {q: config.class_weights.of(q) for q in QoS},
-            {q: int(config.max_queued.of(q)) for q in QoS},
+            {q: config.max_queued.of(q) for q in QoS},
         )
         self.replicas: dict[ReplicaId, Replica] = {}
         self.directory = PrefixDirectory()
@@ -100,14 +100,7 @@ class RouterCore:
                 f"expected time to first token ({self._ttft.value * 1000:.0f} ms)",
                 self.retry_after(qos),
             )
-        if self.queues.full(qos):
-            self._count_shed(qos, "queue-full")
-            raise Shed(
-                "queue-full",
-                f"the {qos.name.lower()} queue is full "
-                f"({self.queues.depth(qos)} waiting); retry later",
-                self.retry_after(qos),
-            )
+        full = self.queues.full(qos)
         deadline_at = None if ticket.deadline_s is None else now + ticket.deadline_s
         waiting = Waiting(ticket, now, deadline_at, next(self._tokens))
         estimate = self.expected_wait(qos)
@@ -116,6 +109,15 @@ class RouterCore:
             if w is waiting:
                 return decision
             self._pending_decisions.append((w, decision))
+        if full:  # it would have to wait, and its queue has no room
+            self.queues.drop(waiting)
+            self._count_shed(qos, "queue-full")
+            raise Shed(
+                "queue-full",
+                f"the {qos.name.lower()} queue is full "
+                f"({self.queues.depth(qos)} waiting); retry later",
+                self.retry_after(qos),
+            )
         if deadline_at is not None and now + estimate + self._ttft.value > deadline_at:
             self.queues.drop(waiting)
             self._count_shed(qos, "deadline")

@@ -46,6 +46,8 @@ class RouterService:
         self._on_decision = on_decision
         self.decision_s: deque[float] = deque(maxlen=10_000)  # per dispatched request
         self._ticker: asyncio.Task[None] | None = None
+        self._queued: dict[str, Waiting] = {}  # request id -> its queue entry
+        self.recent_transitions: deque[Transition] = deque(maxlen=100)
 
     def start(self) -> None:
         if self._ticker is None:
@@ -71,6 +73,7 @@ class RouterService:
             return result
         fut: asyncio.Future[RouteDecision] = asyncio.get_running_loop().create_future()
         self._futures[result.token] = fut
+        self._queued[ticket.request_id] = result
         try:
             return await fut
         except asyncio.CancelledError:
@@ -78,6 +81,8 @@ class RouterService:
             raise
         finally:
             self._futures.pop(result.token, None)
+            if self._queued.get(ticket.request_id) is result:
+                del self._queued[ticket.request_id]
 
     def _abandon(self, waiting: Waiting, fut: asyncio.Future[RouteDecision]) -> None:
         if fut.done() and not fut.cancelled() and fut.exception() is None:
@@ -87,6 +92,14 @@ class RouterService:
             self.core.cancel(waiting)
 
     def release(self, release: Release) -> None:
+        """Ends a dispatched request, or withdraws one still queued."""
+        waiting = self._queued.pop(release.request_id, None)
+        if waiting is not None:
+            self.core.cancel(waiting)
+            fut = self._futures.get(waiting.token)
+            if fut is not None and not fut.done():
+                fut.set_exception(Shed("cancelled", "withdrawn by the ingress", 0.0))
+            return
         self.core.release(release)
         self.pump()
 
@@ -135,6 +148,7 @@ class RouterService:
     def _drain(self) -> None:
         transitions, self.core.transitions[:] = list(self.core.transitions), []
         for t in transitions:
+            self.recent_transitions.append(t)
             logger.warning(
                 "%s breaker %s: %s -> %s (%s)", t.kind, t.key, t.old, t.new, t.detail
             )
@@ -143,6 +157,10 @@ class RouterService:
 
     def snapshot(self) -> dict[str, Any]:
         snap = self.core.snapshot()
+        snap["transitions"] = [
+            {"kind": t.kind, "key": t.key, "old": t.old, "new": t.new, "why": t.detail}
+            for t in self.recent_transitions
+        ]
         lat = sorted(self.decision_s)
         if lat:
             snap["decision_us"] = {

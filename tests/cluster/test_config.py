@@ -64,3 +64,20 @@ def test_top_level_must_be_a_mapping(tmp_path: Path) -> None:
     f.write_text("- a\n- b\n")
     with pytest.raises(ValueError, match="mapping"):
         load_config(f)
+
+
+def test_router_needs_serve_room_for_its_slots() -> None:
+    with pytest.raises(ValueError, match=r"max_ongoing_requests must be >= 20"):
+        ClusterConfig.model_validate(
+            {
+                "deployment": {"max_ongoing_requests": 19},
+                "router": {"max_running_per_replica": 16, "realtime_reserved_slots": 4},
+            }
+        )
+    ClusterConfig.model_validate(
+        {"deployment": {"max_ongoing_requests": 8}, "router": {"enabled": False}}
+    )
+    with pytest.raises(ValueError, match="greater than 0"):
+        ClusterConfig.model_validate(
+            {"router": {"class_weights": {"realtime": 1, "normal": 1, "background": 0}}}
+        )

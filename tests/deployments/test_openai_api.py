@@ -133,3 +133,29 @@ def test_conversion_errors_name_the_field(
     with pytest.raises(InvalidRequest) as e:
         convert(kind, **kw)
     assert e.value.field == field
+
+
+def test_qos_and_deadline_headers_apply_unless_the_body_sets_them() -> None:
+    def conv(headers: dict[str, str], **kw: object) -> tuple:
+        return openai_api.engine_request(
+            body(**kw),
+            "completion",
+            FakeFrontend(),  # type: ignore[arg-type]
+            headers,
+        )
+
+    _, req, deadline = conv({"x-qos": "Realtime", "x-deadline-ms": "250"}, prompt="a")
+    assert req.qos.name == "REALTIME" and deadline == 0.25
+    _, req, deadline = conv(
+        {"x-qos": "realtime", "x-deadline-ms": "250"},
+        prompt="a",
+        qos="background",
+        deadline_ms=0,
+    )
+    assert req.qos.name == "BACKGROUND" and deadline is None
+    with pytest.raises(InvalidRequest, match="whole number") as e:
+        conv({"x-deadline-ms": "-5"}, prompt="a")
+    assert e.value.field == "X-Deadline-Ms"
+    with pytest.raises(InvalidRequest, match="realtime, normal, background") as e:
+        conv({"x-qos": "urgent"}, prompt="a")
+    assert e.value.field == "X-QoS"

@@ -71,11 +71,16 @@ def served(tiny_model: Path) -> Iterator[Served]:
                     "num_replicas": 2,
                     "num_cpus": 1,
                     "health_check_period_s": 2,
-                    # Small queues, so the overload test can fill them. Serve
-                    # counts requests awaiting a replica as queued, so the limit
-                    # stays above the other tests' bursts (8 at once).
                     "max_ongoing_requests": 8,
-                    "max_queued_requests": 12,
+                },
+                "router": {
+                    # 2 replicas x 6 running; small queues, so the overload test
+                    # can fill them while the other tests' bursts (8) still fit.
+                    "max_running_per_replica": 6,
+                    "realtime_reserved_slots": 2,
+                    "max_queued": {"realtime": 8, "normal": 12, "background": 64},
+                    "breaker_open_s": 3,
+                    "report_interval_s": 0.25,
                 },
                 "server": {
                     "http_port": _free_port(),

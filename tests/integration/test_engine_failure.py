@@ -1,4 +1,5 @@
-"""A replica whose vLLM engine dies: its streams fail fast, Serve replaces it."""
+"""A replica whose vLLM engine dies: its streams fail fast, the router's breaker
+opens on it and traffic moves to the other replica while Serve replaces it."""
 
 from __future__ import annotations
 
@@ -11,55 +12,77 @@ import psutil
 
 from deployments.proto import inference_pb2 as pb
 from tests.integration.conftest import Served, engine_stats, wait_until
+from tests.integration.test_router import router_snapshot
 
 RUN_LAST = True  # kills an engine; the cluster heals within the test
+STREAMS = 6  # least-loaded placement puts 3 on each replica
 
 
-def test_dead_engine_fails_its_streams_and_the_replica_is_replaced(
+def test_dead_engine_fails_its_streams_opens_its_breaker_and_is_replaced(
     served: Served, engine_handle: Any
 ) -> None:
-    request = pb.GenerateRequest(
-        request_id="doomed-1",
-        token_ids=pb.TokenIds(ids=[410, 465, 14]),
-        sampling=pb.SamplingParams(max_tokens=480, temperature=0, ignore_eos=True),
-    )
-    outcome: dict[str, Any] = {}
-    started = threading.Event()
+    outcomes: dict[str, dict[str, Any]] = {}
+    started = threading.Semaphore(0)
 
-    def stream() -> None:
+    def stream(rid: str) -> None:
+        request = pb.GenerateRequest(
+            request_id=rid,
+            token_ids=pb.TokenIds(ids=[410, 465, 14]),
+            sampling=pb.SamplingParams(max_tokens=480, temperature=0, ignore_eos=True),
+        )
+        out = outcomes.setdefault(rid, {})
+        first = True
         try:
             for msg in served.client().generate(request, timeout=120):
-                if msg.HasField("chunk"):
-                    started.set()
-                else:
-                    outcome["finished"] = msg.finished
+                if msg.HasField("chunk") and first:
+                    first = False
+                    started.release()
+                elif msg.HasField("finished"):
+                    out["finished"] = msg.finished
         except grpc.RpcError as e:
-            outcome["code"], outcome["details"] = e.code(), e.details()
-        started.set()
+            out["code"], out["details"] = e.code(), e.details()
+        if first:
+            started.release()
 
-    reader = threading.Thread(target=stream, daemon=True)
-    reader.start()
-    assert started.wait(60)
+    rids = [f"doomed-{i}" for i in range(STREAMS)]
+    readers = [threading.Thread(target=stream, args=(r,), daemon=True) for r in rids]
+    for t in readers:
+        t.start()
+    for _ in rids:
+        assert started.acquire(timeout=60)
     before = wait_until(lambda: engine_stats(engine_handle), 30, "both replicas")
-    (victim,) = [s for s in before.values() if "doomed-1" in s.request_ids]
+    (victim,) = [s for s in before.values() if "doomed-0" in s.request_ids]
+    on_victim = [r for r in rids if r in victim.request_ids]
+    assert len(on_victim) == STREAMS // 2, "least-loaded spreads the streams evenly"
     children = psutil.Process(victim.pid).children(recursive=True)
     assert children, "the engine core runs in a child process of the replica"
     for child in children:
         child.kill()
     killed_at = time.monotonic()
 
-    reader.join(60)
-    assert not reader.is_alive(), "the stream hung after its engine died"
-    assert outcome.get("code") == grpc.StatusCode.UNAVAILABLE, outcome
-    assert "Traceback" not in outcome["details"]
+    for t in readers:
+        t.join(60)
+        assert not t.is_alive(), "a stream hung after its engine died"
+    for rid in rids:
+        if rid in on_victim:
+            assert outcomes[rid].get("code") == grpc.StatusCode.UNAVAILABLE, outcomes
+            assert "Traceback" not in outcomes[rid]["details"]
+        else:
+            assert outcomes[rid]["finished"].completion_tokens == 480
 
-    # The surviving replica keeps serving while the dead one is replaced.
+    # Three failures in a row: the router opened the victim's breaker ...
+    transitions = router_snapshot(served)["transitions"]
+    opened = [t for t in transitions if t["key"] == victim.replica_id]
+    assert opened and opened[0]["new"] == "open", transitions
+    assert opened[0]["why"] == "3 consecutive failures"
+    # ... and traffic goes to the surviving replica meanwhile.
     ok = pb.GenerateRequest(
         token_ids=pb.TokenIds(ids=[5, 6]), sampling=pb.SamplingParams(max_tokens=4)
     )
     for _ in range(4):
         msgs = list(served.client().generate(ok, timeout=60))
         assert msgs[-1].finished.completion_tokens == 4
+        assert msgs[-1].finished.replica_id != victim.replica_id
 
     def replaced() -> bool:
         now = engine_stats(engine_handle)
@@ -69,3 +92,9 @@ def test_dead_engine_fails_its_streams_and_the_replica_is_replaced(
     print(
         f"replica replaced {time.monotonic() - killed_at:.1f} s after its engine died"
     )
+
+    def routable() -> bool:
+        replicas = router_snapshot(served)["replicas"]
+        return len(replicas) == 2 and victim.replica_id not in replicas
+
+    wait_until(routable, 30, "the router to route to the replacement only")

@@ -22,6 +22,7 @@ from cluster.tiny_model import (
 )
 from deployments.proto import inference_pb2 as pb
 from tests.integration.conftest import Served, engine_stats, wait_until
+from tests.integration.test_router import router_snapshot
 
 PROMPT_IDS = [410, 465, 14, 318, 496]
 
@@ -232,19 +233,21 @@ def test_duplicate_in_flight_request_id_is_refused(served: Served) -> None:
     reader.join(30)
 
 
-def test_missed_deadline_is_reported_and_the_slot_freed(
+def test_an_impossible_deadline_never_reaches_an_engine(
     served: Served, engine_handle: Any
 ) -> None:
     request = greedy(PROMPT_IDS, 16)
     request.request_id = "too-late-1"
     request.deadline_ms = 1
+    shed_before = router_snapshot(served)["shed"].get("normal/deadline", 0)
     with pytest.raises(grpc.RpcError) as e:
         run(served, request)
-    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # The router refuses it up front (a deadline missed after dispatch would be
+    # DEADLINE_EXCEEDED, and the engine request aborted: see test_frontend).
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "deadline_ms=1" in (e.value.details() or "")
-    wait_until(
-        lambda: not _engine_holds(engine_handle, "too-late-1"), 30, "engine to drop it"
-    )
+    assert router_snapshot(served)["shed"]["normal/deadline"] == shed_before + 1
+    assert not _engine_holds(engine_handle, "too-late-1")
 
 
 def test_health_watch_streams_the_status(served: Served) -> None:

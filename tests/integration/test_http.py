@@ -103,17 +103,6 @@ def test_http_health(served: Served) -> None:
     assert r.status_code == 200 and r.json() == {"status": "ok"}
 
 
-def test_missed_deadline_is_504(served: Served) -> None:
-    r = httpx.post(
-        f"{served.http_base}/v1/completions",
-        json={"model": MODEL, "prompt": "hi", "max_tokens": 4, "deadline_ms": 1},
-        headers={"Authorization": f"Bearer {served.api_key}"},
-        timeout=30,
-    )
-    assert r.status_code == 504
-    assert r.json()["error"]["type"] == "timeout_error"
-
-
 def test_a_request_id_is_free_again_once_answered(served: Served) -> None:
     headers = {"Authorization": f"Bearer {served.api_key}"}
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "request_id": "again-1"}

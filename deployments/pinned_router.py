@@ -1,0 +1,41 @@
+"""Serve request router for the engines: send each request where the DeepSeekRouter
+placed it.
+
+The DeepSeekRouter already decided admission order and replica; Serve's job is only
+delivery. The chosen replica travels in ``EngineRequest.replica_id``. Requests
+without one (stats, aborts, router disabled) may go to any replica, and a request
+whose replica has left the candidate set (it died, or was just replaced) goes to
+any other: the ingress learns where it ran from the stream's ``Started`` event.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from deployments.protocol import EngineRequest
+
+
+def target_of(pending: PendingRequest | None) -> str:
+    if pending is None or not pending.args:
+        return ""
+    request: Any = pending.args[0]
+    return request.replica_id if isinstance(request, EngineRequest) else ""
+
+
+class PinnedRequestRouter(RequestRouter):
+    # NOTE: no FIFOMixin: that would hand a freed replica to whichever request
+    # waits first, not to the one placed there. The base class matches exactly.
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        target = target_of(pending_request)
+        if target:
+            for replica in candidate_replicas:
+                if replica.replica_id.unique_id == target:
+                    return [[replica]]
+        return [candidate_replicas]

@@ -1,0 +1,63 @@
+"""An engine replica's reports to the DeepSeekRouter: its running requests and speed.
+
+Reports are how the router learns that a replica exists and how it rebuilds its
+state after a restart, so they go out every ``router.report_interval_s`` whether or
+not the replica is busy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from router.types import ReplicaId, ReplicaReport, RequestProgress
+
+logger = logging.getLogger("moe_cluster.engine")
+RATE_SMOOTHING = 0.3
+
+
+class Reporter:
+    def __init__(
+        self,
+        replica_id: str,
+        *,
+        progress: Callable[[], tuple[RequestProgress, ...]],
+        tokens_generated: Callable[[], int],
+        connect: Callable[[], Any],
+        interval_s: float,
+    ) -> None:
+        self._replica_id = ReplicaId(replica_id)
+        self._progress = progress
+        self._tokens = tokens_generated
+        self._connect = connect  # returns the router actor handle (blocking)
+        self._interval_s = interval_s
+        self._handle: Any = None
+        self.tokens_per_s = 0.0
+
+    async def run(self) -> None:
+        import ray.exceptions
+
+        loop = asyncio.get_running_loop()
+        last_t, last_tokens, epoch = loop.time(), self._tokens(), 0
+        while True:
+            await asyncio.sleep(self._interval_s)
+            now, tokens = loop.time(), self._tokens()
+            running = self._progress()
+            if running and tokens > last_tokens:
+                rate = (tokens - last_tokens) / (now - last_t)
+                a = RATE_SMOOTHING if self.tokens_per_s else 1.0
+                self.tokens_per_s += a * (rate - self.tokens_per_s)
+            last_t, last_tokens, epoch = now, tokens, epoch + 1
+            report = ReplicaReport(
+                self._replica_id, running, self.tokens_per_s, epoch=epoch
+            )
+            try:
+                if self._handle is None:
+                    self._handle = await asyncio.to_thread(self._connect)
+                await asyncio.wait_for(self._handle.report.remote(report), 2.0)
+            except ray.exceptions.ActorDiedError:
+                self._handle = None  # gone for good: create it again next time
+            except Exception as e:  # restarting or slow: the next report catches up
+                logger.debug("report to the router failed: %r", e)

@@ -1,0 +1,147 @@
+"""The DeepSeekRouter as a named, restartable Ray actor.
+
+One per application, found by name by every ingress and engine replica. Its state
+is soft: after a restart it rebuilds replicas and their running requests from the
+next replica reports (every ``report_interval_s``); calls made while it restarts are
+retried by Ray (``max_task_retries=-1``). Streams never pass through it, so streams
+in flight do not notice it die.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util import metrics
+
+from cluster.config import RouterConfig
+from router.core import RouterCore
+from router.qos import QoS
+from router.service import RouterService
+from router.types import Release, ReplicaReport, RouteDecision, Shed, Ticket, Transition
+
+logger = logging.getLogger("moe_cluster.router")
+NAMESPACE = "moe-cluster"
+_BREAKER_VALUE = {"closed": 0, "half-open": 1, "open": 2, "gone": 3}
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """``admit``'s answer when the router sheds (plain data: crosses Ray cleanly)."""
+
+    reason: str
+    message: str
+    retry_after_s: float
+
+    def error(self) -> Shed:
+        return Shed(self.reason, self.message, self.retry_after_s)
+
+
+def actor_name(app_name: str) -> str:
+    return f"{app_name}-router"
+
+
+def num_routed_experts(model_path: str) -> int:
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    return int(cfg.get("n_routed_experts") or 0)
+
+
+class DeepSeekRouter:
+    def __init__(self, config: RouterConfig, num_experts: int) -> None:
+        self._service = RouterService(
+            RouterCore(config, num_experts=num_experts, clock=time.monotonic),
+            on_transition=self._on_transition,
+            on_decision=self._on_decision,
+        )
+        self._admitted = metrics.Counter(
+            "moe_cluster_router_admitted", "Requests dispatched.", ("qos",)
+        )
+        self._shed = metrics.Counter(
+            "moe_cluster_router_shed", "Requests refused.", ("qos", "reason")
+        )
+        self._transitions = metrics.Counter(
+            "moe_cluster_router_breaker_transitions",
+            "Breaker state changes.",
+            ("kind", "key", "to"),
+        )
+        self._breaker = metrics.Gauge(
+            "moe_cluster_router_replica_breaker",
+            "Replica breaker: 0 closed, 1 half-open, 2 open, 3 gone.",
+            ("replica",),
+        )
+        self._queued = metrics.Gauge(
+            "moe_cluster_router_queued", "Requests waiting per class.", ("qos",)
+        )
+        self._decision = metrics.Histogram(
+            "moe_cluster_router_decision_seconds",
+            "Router compute time per dispatched request.",
+            boundaries=[1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2],
+        )
+        logger.info("DeepSeekRouter up (policy %s)", config.policy)
+
+    def _on_transition(self, t: Transition) -> None:
+        self._transitions.inc(tags={"kind": t.kind, "key": t.key, "to": t.new})
+        if t.kind == "replica":
+            self._breaker.set(_BREAKER_VALUE.get(t.new, 0), tags={"replica": t.key})
+
+    def _on_decision(self, seconds: float) -> None:
+        self._decision.observe(seconds)
+
+    async def admit(self, ticket: Ticket) -> RouteDecision | Refused:
+        self._service.start()
+        try:
+            decision = await self._service.admit(ticket)
+        except Shed as e:
+            self._shed.inc(tags={"qos": ticket.qos.name.lower(), "reason": e.reason})
+            return Refused(e.reason, str(e), e.retry_after_s)
+        self._admitted.inc(tags={"qos": ticket.qos.name.lower()})
+        return decision
+
+    async def release(self, release: Release) -> None:
+        self._service.start()
+        self._service.release(release)
+
+    async def report(self, report: ReplicaReport) -> None:
+        self._service.start()
+        self._service.report(report)
+        for q in QoS:
+            depth = self._service.core.queues.depth(q)
+            self._queued.set(depth, tags={"qos": q.name.lower()})
+
+    async def snapshot(self) -> dict[str, Any]:
+        return self._service.snapshot()
+
+    async def ready(self) -> bool:
+        self._service.start()
+        return True
+
+
+def get_or_create(config: RouterConfig, app_name: str, model_path: str) -> Any:
+    """The app's router actor handle, creating the actor if it does not exist yet."""
+    cls = ray.remote(DeepSeekRouter)
+    return cls.options(
+        name=actor_name(app_name),
+        namespace=NAMESPACE,
+        get_if_exists=True,
+        lifetime="detached",
+        max_restarts=-1,
+        max_task_retries=-1,
+        max_concurrency=100_000,
+        num_cpus=0,
+    ).remote(config, num_routed_experts(model_path))
+
+
+def kill(app_name: str) -> None:
+    with contextlib.suppress(ValueError):
+        ray.kill(ray.get_actor(actor_name(app_name), namespace=NAMESPACE))
+
+
+async def wait_ready(handle: Any, timeout_s: float = 30.0) -> None:
+    await asyncio.wait_for(handle.ready.remote(), timeout_s)

@@ -1,0 +1,143 @@
+"""Frontend with the DeepSeekRouter's service in the loop (in-process, real core)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from cluster.config import RouterConfig
+from deployments.errors import EngineUnavailable, Overloaded
+from deployments.frontend import Frontend
+from deployments.protocol import EngineRequest, Finish, Sampling, Started, TokenDelta
+from deployments.validation import Limits
+from router.core import RouterCore
+from router.qos import QoS
+from router.service import RouterService
+from router.tickets import TicketMaker
+from router.types import ReplicaId, ReplicaReport
+from tests.deployments.test_frontend import FACTS, ScriptedStream
+
+
+class LocalAdmission:
+    """``frontend.Admission`` over an in-process RouterService."""
+
+    def __init__(self, service: RouterService) -> None:
+        self.service = service
+        self.tickets = TicketMaker(block_size=16, hash_blocks=False, predictor=None)
+
+    async def admit(self, ticket: Any) -> Any:
+        return await self.service.admit(ticket)
+
+    def release(self, release: Any) -> None:
+        self.service.release(release)
+
+
+def setup(
+    *scripts: list[Any], slots: int = 1, queue: int = 8
+) -> tuple[Frontend, RouterService, list[EngineRequest]]:
+    cfg = RouterConfig.model_validate(
+        {
+            "max_running_per_replica": slots,
+            "realtime_reserved_slots": 0,
+            "breaker_failures": 2,
+            "max_queued": dict.fromkeys(("realtime", "normal", "background"), queue),
+        }
+    )
+    service = RouterService(RouterCore(cfg, clock=lambda: 0.0))
+    for r in ("a", "b"):
+        service.report(ReplicaReport(ReplicaId(r)))
+    opened: list[EngineRequest] = []
+    streams = iter([ScriptedStream(s) for s in scripts])
+
+    def open_stream(req: EngineRequest) -> ScriptedStream:
+        opened.append(req)
+        return next(streams)
+
+    fe = Frontend(
+        tokenizer=None,
+        facts=FACTS,
+        limits=Limits(64, 100, 1000),
+        api_keys=(),
+        open_stream=open_stream,
+        admission=LocalAdmission(service),
+    )
+    return fe, service, opened
+
+
+def req(rid: str, qos: QoS = QoS.NORMAL) -> EngineRequest:
+    return EngineRequest(rid, (1, 2, 3), Sampling(max_tokens=2), qos)
+
+
+def ok(replica: str) -> list[Any]:
+    return [
+        Started(replica),
+        TokenDelta((5, 6), "ab"),
+        Finish("length", 3, 2, 0, replica),
+    ]
+
+
+async def drain(fe: Frontend, r: EngineRequest) -> list[Any]:
+    return [e async for e in fe.stream(r)]
+
+
+async def test_requests_run_where_the_router_placed_them_and_release() -> None:
+    fe, service, opened = setup(ok("a"), ok("b"))
+    await drain(fe, req("1"))
+    await drain(fe, req("2"))
+    assert [r.replica_id for r in opened] == ["a", "a"]  # released before the next
+    snap = service.snapshot()
+    assert snap["admitted"]["normal"] == 2
+    assert snap["replicas"]["a"]["running"] == 0
+    assert snap["ttft_estimate_s"] < 0.05  # measured, no longer the 50 ms prior
+
+
+async def test_shed_becomes_overloaded_with_the_routers_retry_hint() -> None:
+    fe, _, _ = setup(["hang"], ["hang"], slots=1, queue=0)
+    first = asyncio.create_task(drain(fe, req("1")))
+    second = asyncio.create_task(drain(fe, req("2")))
+    await asyncio.sleep(0.01)
+    with pytest.raises(Overloaded, match="queue is full") as e:
+        await drain(fe, req("3"))
+    assert e.value.retry_after_s == 1.0
+    fe.abort("1")
+    fe.abort("2")
+    await asyncio.gather(first, second)
+
+
+async def test_abort_while_queued_leaves_the_router_queue() -> None:
+    fe, service, _ = setup(["hang"], ["hang"], slots=1)
+    busy = [asyncio.create_task(drain(fe, req(f"busy{i}"))) for i in range(2)]
+    await asyncio.sleep(0.01)
+    queued = asyncio.create_task(drain(fe, req("q")))
+    await asyncio.sleep(0.01)
+    assert service.snapshot()["queued"]["normal"] == 1
+    assert fe.abort("q")
+    events = await queued
+    assert events == [Finish("abort", 3, 0, 0, "")]
+    assert service.snapshot()["queued"]["normal"] == 0
+    for b in busy:
+        b.cancel()
+    await asyncio.gather(*busy, return_exceptions=True)
+
+
+async def test_failures_before_output_are_readmitted_and_open_the_breaker() -> None:
+    boom = RuntimeError("engine died")
+    fe, service, opened = setup([Started("a"), boom], [Started("a"), boom], ok("b"))
+    events = await drain(fe, req("1"))
+    assert isinstance(events[-1], Finish) and events[-1].replica_id == "b"
+    assert [r.replica_id for r in opened] == ["a", "a", "b"]
+    assert service.snapshot()["replicas"]["a"]["breaker"] == "open"
+
+
+async def test_failure_mid_stream_is_reported_against_the_replica() -> None:
+    boom = RuntimeError("engine died")
+    fe, service, _ = setup(
+        [Started("a"), TokenDelta((5,), "a"), boom],
+        [Started("a"), TokenDelta((5,), "a"), boom],
+    )
+    for rid in ("1", "2"):
+        with pytest.raises(EngineUnavailable):
+            await drain(fe, req(rid))
+    assert service.snapshot()["replicas"]["a"]["breaker"] == "open"

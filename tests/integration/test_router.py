@@ -1,0 +1,149 @@
+"""The DeepSeekRouter on real engines: QoS under a flood, shedding, restart."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import httpx
+
+from deployments.proto import inference_pb2 as pb
+from router import actor as router_actor
+from tests.integration.conftest import Served, wait_until
+
+
+@dataclass
+class Result:
+    code: grpc.StatusCode
+    details: str
+    ttft_s: float
+    tokens: int
+    replica: str
+
+
+def generate(
+    served: Served,
+    ids: list[int],
+    max_tokens: int,
+    qos: int = pb.NORMAL,
+    deadline_ms: int = 0,
+) -> Result:
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=ids),
+        sampling=pb.SamplingParams(
+            max_tokens=max_tokens, temperature=0, ignore_eos=True
+        ),
+        qos=qos,
+        deadline_ms=deadline_ms,
+    )
+    t0 = time.monotonic()
+    ttft, tokens, replica = -1.0, 0, ""
+    try:
+        for msg in served.client().generate(request, timeout=180):
+            if msg.HasField("chunk"):
+                if ttft < 0:
+                    ttft = time.monotonic() - t0
+                tokens += len(msg.chunk.token_ids)
+            else:
+                replica = msg.finished.replica_id
+        return Result(grpc.StatusCode.OK, "", ttft, tokens, replica)
+    except grpc.RpcError as e:
+        return Result(e.code(), e.details() or "", time.monotonic() - t0, tokens, "")
+
+
+def router_snapshot(served: Served) -> dict[str, Any]:
+    import ray
+
+    name = router_actor.actor_name(served.config.server.app_name)
+    handle = ray.get_actor(name, namespace=router_actor.NAMESPACE)
+    snap: dict[str, Any] = ray.get(handle.snapshot.remote(), timeout=30)
+    return snap
+
+
+def test_impossible_deadline_is_shed_at_once(served: Served) -> None:
+    r = generate(served, [5, 6, 7], 8, qos=pb.REALTIME, deadline_ms=1)
+    assert r.code == grpc.StatusCode.RESOURCE_EXHAUSTED, r
+    assert "expected time to first token" in r.details and "retry after" in r.details
+    assert r.ttft_s < 1.0  # refused at once, not after waiting
+    response = httpx.post(
+        f"{served.http_base}/v1/completions",
+        json={"model": "tiny-deepseek-v2", "prompt": [5, 6], "deadline_ms": 1},
+        headers={"Authorization": f"Bearer {served.api_key}"},
+        timeout=30,
+    )
+    assert response.status_code == 429
+    assert int(response.headers["Retry-After"]) >= 1
+    assert "deadline" in response.json()["error"]["message"]
+
+
+def test_realtime_keeps_its_deadline_under_a_background_flood(served: Served) -> None:
+    """36 background streams (3x what the replicas run at once) and, meanwhile,
+    realtime requests with a 2 s deadline: every realtime request is served in
+    time, and every background one still completes."""
+    flood_n, realtime_n, deadline_ms = 36, 10, 2000
+    with ThreadPoolExecutor(flood_n + realtime_n) as pool:
+        flood = [
+            pool.submit(generate, served, [40 + i, 41, 42], 96, pb.BACKGROUND)
+            for i in range(flood_n)
+        ]
+        time.sleep(1.0)  # the flood fills every slot and the background queue
+        realtime = []
+        for i in range(realtime_n):
+            realtime.append(
+                pool.submit(
+                    generate, served, [300 + i, 5], 16, pb.REALTIME, deadline_ms
+                )
+            )
+            time.sleep(0.2)
+        rt = [f.result() for f in realtime]
+        bg = [f.result() for f in flood]
+    assert [r.code for r in rt] == [grpc.StatusCode.OK] * realtime_n, rt
+    assert all(r.tokens == 16 and r.ttft_s < deadline_ms / 1000 for r in rt)
+    assert [r.code for r in bg] == [grpc.StatusCode.OK] * flood_n
+    assert all(r.tokens == 96 for r in bg)
+    bg_ttft = sorted(r.ttft_s for r in bg)
+    print(
+        f"realtime TTFT max {max(r.ttft_s for r in rt) * 1000:.0f} ms, median "
+        f"{statistics.median(r.ttft_s for r in rt) * 1000:.0f} ms; background TTFT "
+        f"median {statistics.median(bg_ttft) * 1000:.0f} ms, max {bg_ttft[-1]:.1f} s"
+    )
+
+
+def test_router_killed_mid_load_loses_no_request(served: Served) -> None:
+    import ray
+
+    name = router_actor.actor_name(served.config.server.app_name)
+    handle = ray.get_actor(name, namespace=router_actor.NAMESPACE)
+    results: list[Result] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        r = generate(served, [60 + i % 50, 7], 48, pb.NORMAL)
+        with lock:
+            results.append(r)
+
+    with ThreadPoolExecutor(24) as pool:
+        for i in range(12):  # in flight (and queued) when the router dies
+            pool.submit(one, i)
+        time.sleep(1.0)
+        ray.kill(handle, no_restart=False)
+        killed_at = time.monotonic()
+        for i in range(12, 24):  # arrive while it restarts
+            pool.submit(one, i)
+            time.sleep(0.05)
+    assert len(results) == 24
+    assert [r.code for r in results] == [grpc.StatusCode.OK] * 24, [
+        (r.code, r.details) for r in results if r.code != grpc.StatusCode.OK
+    ]
+    assert all(r.tokens == 48 for r in results)
+
+    def rebuilt() -> bool:
+        return len(router_snapshot(served)["replicas"]) == 2
+
+    wait_until(rebuilt, 10, "the restarted router to learn both replicas")
+    print(f"router state rebuilt {time.monotonic() - killed_at:.1f} s after the kill")
