@@ -65,6 +65,7 @@ class GrpcBackend:
                 max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True
             ),
             qos=pb.QoS.Value(spec.qos.upper()),
+            deadline_ms=spec.deadline_ms,
         )
         call = self._stub.Generate(
             request, metadata=self._metadata, timeout=self._timeout_s
@@ -139,6 +140,8 @@ class OpenAIBackend:
         }
         if self._send_qos:
             body["qos"] = spec.qos
+            if spec.deadline_ms:
+                body["deadline_ms"] = spec.deadline_ms
         usage: dict[str, object] | None = None
         try:
             async with self._client.stream("POST", "/v1/completions", json=body) as r:

@@ -65,8 +65,9 @@ def add_parser(sub: Any) -> None:
         dest="classes",
         action="append",
         default=[],
-        metavar="QOS[:share=S,rate=R,input=L:H,output=L:H]",
-        help="a QoS class of the mix (repeat); default: all normal",
+        metavar="QOS[:share=S,rate=R,input=L:H,output=L:H,deadline=MS]",
+        help="a QoS class of the mix (repeat); deadline: time-to-first-token "
+        "deadline sent with its requests; default: all normal",
     )
     b.add_argument("--slo-ttft-ms", type=float, default=None)
     b.add_argument("--slo-tpot-ms", type=float, default=None)

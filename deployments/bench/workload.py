@@ -46,8 +46,11 @@ class ClassSpec:
     rate: float | None = None  # requests/s of this class in open loop
     input_len: LengthRange = LengthRange(128, 128)
     output_len: LengthRange = LengthRange(64, 64)
+    deadline_ms: int = 0  # time-to-first-token deadline sent with each request
 
     def __post_init__(self) -> None:
+        if self.deadline_ms < 0:
+            raise ValueError("deadline must be >= 0 ms")
         if self.qos not in QOS_CLASSES:
             raise ValueError(f"unknown QoS class {self.qos!r}; one of {QOS_CLASSES}")
         if self.share <= 0 or (self.rate is not None and self.rate <= 0):
@@ -55,7 +58,7 @@ class ClassSpec:
 
     @classmethod
     def parse(cls, text: str, default: ClassSpec) -> ClassSpec:
-        """``"realtime:share=0.2,rate=2,input=32:64,output=16"``."""
+        """``"realtime:share=0.2,rate=2,input=32:64,output=16,deadline=500"``."""
         qos, _, opts = text.partition(":")
         values: dict[str, object] = {"qos": qos.strip()}
         for item in filter(None, (o.strip() for o in opts.split(","))):
@@ -70,6 +73,8 @@ class ClassSpec:
                 values["input_len"] = LengthRange.parse(value)
             elif key == "output":
                 values["output_len"] = LengthRange.parse(value)
+            elif key == "deadline":
+                values["deadline_ms"] = int(value)
             else:
                 raise ValueError(f"unknown class option {key!r}")
         merged = {
@@ -101,6 +106,7 @@ class RequestSpec:
     max_tokens: int
     arrival_s: float  # offset from the start of the run; 0 in closed loop
     prefix_group: int | None = None
+    deadline_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,4 +179,5 @@ class Workload:
             max_tokens=spec.output_len.draw(rng),
             arrival_s=arrival,
             prefix_group=group,
+            deadline_ms=spec.deadline_ms,
         )

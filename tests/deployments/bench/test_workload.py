@@ -81,7 +81,9 @@ def test_parsing() -> None:
     spec = ClassSpec.parse("realtime:share=0.2,rate=3,output=4:9", default)
     assert spec == ClassSpec("realtime", 0.2, 3.0, LengthRange(8, 8), LengthRange(4, 9))
     assert LengthRange.parse("12") == LengthRange(12, 12)
-    for bad in ("urgent", "normal:share", "normal:speed=2", "normal:share=-1"):
+    assert ClassSpec.parse("realtime:deadline=500", default).deadline_ms == 500
+    bad_ones = ("urgent", "normal:share", "normal:speed=2", "normal:share=-1")
+    for bad in (*bad_ones, "normal:deadline=-3"):
         with pytest.raises(ValueError):
             ClassSpec.parse(bad, default)
     with pytest.raises(ValueError):
