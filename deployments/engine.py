@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ray import serve
 
 from cluster.config import ClusterConfig, EngineConfig
+from deployments import kv_events
 from deployments.protocol import (
     EngineEvent,
     EngineRequest,
@@ -37,14 +38,27 @@ logger = logging.getLogger("moe_cluster.engine")
 
 def engine_env(config: EngineConfig) -> dict[str, str]:
     """Environment the engine's processes need (set before vLLM spawns them)."""
-    env = {"VLLM_CPU_OMP_THREADS_BIND": config.cpu_omp_threads_bind}
+    env = {
+        "VLLM_CPU_OMP_THREADS_BIND": config.cpu_omp_threads_bind,
+        # KV events carry the full block digests the router computes.
+        "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "0",
+    }
     if config.omp_num_threads is not None:
         env["OMP_NUM_THREADS"] = str(config.omp_num_threads)
     return env
 
 
-def engine_args(model_path: str, served_name: str, config: EngineConfig) -> Any:
+def engine_args(
+    model_path: str,
+    served_name: str,
+    config: EngineConfig,
+    kv_events_endpoint: str | None = None,
+) -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs
+
+    events = None
+    if kv_events_endpoint is not None and config.enable_prefix_caching:
+        events = kv_events.events_config(kv_events_endpoint)
 
     return AsyncEngineArgs(
         model=model_path,
@@ -60,6 +74,7 @@ def engine_args(model_path: str, served_name: str, config: EngineConfig) -> Any:
         enable_prefix_caching=config.enable_prefix_caching,
         scheduling_policy="priority",
         disable_log_stats=True,
+        kv_events_config=events,
     )
 
 
@@ -99,11 +114,18 @@ class VLLMEngine:
         self.tokens_generated = 0
 
     @classmethod
-    def start(cls, config: ClusterConfig, replica_id: str) -> VLLMEngine:
+    def start(
+        cls, config: ClusterConfig, replica_id: str, kv_events_endpoint: str | None
+    ) -> VLLMEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         os.environ.update(engine_env(config.engine))
-        args = engine_args(config.model.path, config.model.served_name, config.engine)
+        args = engine_args(
+            config.model.path,
+            config.model.served_name,
+            config.engine,
+            kv_events_endpoint,
+        )
         interval_s = config.engine.stream_interval_ms / 1000
         return cls(AsyncLLM.from_engine_args(args), replica_id, interval_s)
 
@@ -191,21 +213,29 @@ class EngineDeployment:
 
     def __init__(self, config: ClusterConfig) -> None:
         replica_id = serve.get_replica_context().replica_id.unique_id
-        self._engine = VLLMEngine.start(config, replica_id)
-        self._reporting: asyncio.Task[None] | None = None
-        if config.router.enabled:
+        router_on = config.router.enabled
+        endpoint = kv_events.endpoint_for(replica_id) if router_on else None
+        self._engine = VLLMEngine.start(config, replica_id, endpoint)
+        self._tasks: list[asyncio.Task[None]] = []
+        if endpoint is not None:
             from router import actor
 
+            listener = kv_events.KVEventListener(endpoint)
             reporter = Reporter(
                 replica_id,
                 progress=self._engine.progress,
                 tokens_generated=lambda: self._engine.tokens_generated,
+                kv_events=listener.drain,
                 connect=lambda: actor.get_or_create(
                     config.router, config.server.app_name, config.model.path
                 ),
                 interval_s=config.router.report_interval_s,
             )
-            self._reporting = asyncio.get_running_loop().create_task(reporter.run())
+            loop = asyncio.get_running_loop()
+            self._tasks += [
+                loop.create_task(listener.run()),
+                loop.create_task(reporter.run()),
+            ]
         logger.info("engine replica %s ready", replica_id)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:

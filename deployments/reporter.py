@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from router.types import ReplicaId, ReplicaReport, RequestProgress
+from router.types import KVEvent, ReplicaId, ReplicaReport, RequestProgress
 
 logger = logging.getLogger("moe_cluster.engine")
 RATE_SMOOTHING = 0.3
@@ -25,12 +25,16 @@ class Reporter:
         *,
         progress: Callable[[], tuple[RequestProgress, ...]],
         tokens_generated: Callable[[], int],
+        kv_events: Callable[[bool], tuple[KVEvent, ...]] = lambda full: (),
         connect: Callable[[], Any],
         interval_s: float,
     ) -> None:
         self._replica_id = ReplicaId(replica_id)
         self._progress = progress
         self._tokens = tokens_generated
+        self._kv_events = kv_events  # (full) -> changes since last, or everything
+        self._router_incarnation: str | None = None
+        self._resend_all = True
         self._connect = connect  # returns the router actor handle (blocking)
         self._interval_s = interval_s
         self._handle: Any = None
@@ -50,14 +54,26 @@ class Reporter:
                 a = RATE_SMOOTHING if self.tokens_per_s else 1.0
                 self.tokens_per_s += a * (rate - self.tokens_per_s)
             last_t, last_tokens, epoch = now, tokens, epoch + 1
+            full = self._resend_all
             report = ReplicaReport(
-                self._replica_id, running, self.tokens_per_s, epoch=epoch
+                self._replica_id,
+                running,
+                self.tokens_per_s,
+                kv_events=self._kv_events(full),
+                epoch=epoch,
             )
             try:
                 if self._handle is None:
                     self._handle = await asyncio.to_thread(self._connect)
-                await asyncio.wait_for(self._handle.report.remote(report), 2.0)
-            except ray.exceptions.ActorDiedError:
-                self._handle = None  # gone for good: create it again next time
+                seen_by = await asyncio.wait_for(self._handle.report.remote(report), 2)
             except Exception as e:  # restarting or slow: the next report catches up
+                # Its KV changes may be lost: the next report sends the whole set.
+                self._resend_all = True
+                if isinstance(e, ray.exceptions.ActorDiedError):
+                    self._handle = None  # gone for good: create it again
                 logger.debug("report to the router failed: %r", e)
+                continue
+            # A router that has not seen this replica's blocks yet (first contact,
+            # or restarted since) gets them all in the next report.
+            self._resend_all = seen_by != self._router_incarnation and not full
+            self._router_incarnation = seen_by

@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ def num_routed_experts(model_path: str) -> int:
 
 class DeepSeekRouter:
     def __init__(self, config: RouterConfig, num_experts: int) -> None:
+        self.incarnation = uuid.uuid4().hex  # a restart forgets every report
         self._service = RouterService(
             RouterCore(config, num_experts=num_experts, clock=time.monotonic),
             on_transition=self._on_transition,
@@ -108,12 +110,15 @@ class DeepSeekRouter:
         self._service.start()
         self._service.release(release)
 
-    async def report(self, report: ReplicaReport) -> None:
+    async def report(self, report: ReplicaReport) -> str:
+        """Merges a replica's report; returns this incarnation's id, so a replica
+        can tell that a restarted router needs its whole state again."""
         self._service.start()
         self._service.report(report)
         for q in QoS:
             depth = self._service.core.queues.depth(q)
             self._queued.set(depth, tags={"qos": q.name.lower()})
+        return self.incarnation
 
     async def snapshot(self) -> dict[str, Any]:
         return self._service.snapshot()

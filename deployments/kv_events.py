@@ -1,0 +1,107 @@
+"""An engine's prefix-cache changes, from vLLM's KV event stream to router events.
+
+vLLM's scheduler publishes ``KVEventBatch`` messages (msgpack over a ZMQ PUB socket)
+when it caches or evicts full blocks. Each engine replica subscribes to its own
+engine's socket and hands the changes to its router reports. The router may have
+restarted (and forgotten everything) between two reports, so the listener also
+keeps the replica's current block set to resend in full when asked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from router.types import BlockHash, KVEvent
+
+logger = logging.getLogger("moe_cluster.engine")
+TOPIC = b"kv"
+
+
+def endpoint_for(replica_id: str) -> str:
+    return f"ipc://{Path(tempfile.gettempdir()) / f'moe-cluster-kv-{replica_id}'}"
+
+
+def events_config(endpoint: str) -> Any:
+    from vllm.config.kv_events import KVEventsConfig
+
+    return KVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint=endpoint,
+        topic=TOPIC.decode(),
+    )
+
+
+def _hash(h: Any) -> BlockHash:
+    if not isinstance(h, bytes):
+        # Engines run with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0: the full digest
+        # is what the ingress computes. A 64-bit int here means that was not set.
+        raise ValueError(f"block hash {h!r} is not the full digest")
+    return BlockHash(h)
+
+
+def convert(batch: Any) -> list[KVEvent]:
+    """vLLM ``KVEventBatch`` -> router ``KVEvent``s (GPU-tier blocks only)."""
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    out: list[KVEvent] = []
+    for ev in batch.events:
+        if isinstance(ev, BlockStored) and ev.medium in (None, "GPU"):
+            out.append(KVEvent("stored", tuple(_hash(h) for h in ev.block_hashes)))
+        elif isinstance(ev, BlockRemoved) and ev.medium in (None, "GPU"):
+            out.append(KVEvent("removed", tuple(_hash(h) for h in ev.block_hashes)))
+        elif isinstance(ev, AllBlocksCleared):
+            out.append(KVEvent("cleared"))
+    return out
+
+
+class KVEventListener:
+    """Subscribes to one engine's KV events; ``drain`` returns what changed since
+    the last call, or everything the engine holds when ``full`` is asked."""
+
+    def __init__(self, endpoint: str) -> None:
+        self._endpoint = endpoint
+        self._pending: list[KVEvent] = []
+        self._held: set[BlockHash] = set()
+
+    def drain(self, full: bool = False) -> tuple[KVEvent, ...]:
+        self._pending, pending = [], self._pending
+        if full:
+            return (KVEvent("cleared"), KVEvent("stored", tuple(self._held)))
+        return tuple(pending)
+
+    def apply(self, events: list[KVEvent]) -> None:
+        for ev in events:
+            if ev.kind == "stored":
+                self._held.update(ev.block_hashes)
+            elif ev.kind == "removed":
+                self._held.difference_update(ev.block_hashes)
+            else:
+                self._held.clear()
+        self._pending.extend(events)
+
+    async def run(self) -> None:
+        import msgspec
+        import zmq
+        import zmq.asyncio
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
+        sock.connect(self._endpoint)
+        sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        try:
+            while True:
+                _topic, _seq, payload = await sock.recv_multipart()
+                try:
+                    self.apply(convert(decoder.decode(payload)))
+                except Exception:
+                    logger.exception("bad KV event batch")
+        except asyncio.CancelledError:
+            raise
+        finally:
+            sock.close(linger=0)

@@ -1,0 +1,145 @@
+"""vLLM's own KV event publisher -> our listener -> the router's directory."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deployments.kv_events import KVEventListener, convert
+from deployments.reporter import Reporter
+from router.prefix import PrefixDirectory, block_hashes
+from router.types import KVEvent, ReplicaId, ReplicaReport
+
+H = block_hashes(list(range(64)), 16)  # 4 chained block hashes
+
+
+def _batch(*events: Any) -> Any:
+    from vllm.distributed.kv_events import KVEventBatch
+
+    return KVEventBatch(ts=time.time(), events=list(events))
+
+
+def _stored(hashes: tuple[bytes, ...]) -> Any:
+    from vllm.distributed.kv_events import BlockStored
+
+    return BlockStored(
+        block_hashes=list(hashes),
+        parent_block_hash=None,
+        token_ids=list(range(16 * len(hashes))),
+        block_size=16,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+
+
+async def test_events_published_by_vllm_reach_the_directory(tmp_path: Path) -> None:
+    from vllm.distributed.kv_events import (
+        AllBlocksCleared,
+        BlockRemoved,
+        ZmqEventPublisher,
+    )
+
+    endpoint = f"ipc://{tmp_path / 'kv'}"
+    publisher = ZmqEventPublisher(0, endpoint=endpoint, topic="kv")
+    listener = KVEventListener(endpoint)
+    task = asyncio.create_task(listener.run())
+    directory = PrefixDirectory()
+    r = ReplicaId("r")
+    try:
+        # A SUB socket drops what was published before it joined: publish until
+        # the first batch shows up, then the real sequence.
+        deadline = time.monotonic() + 10
+        while not listener.drain():
+            assert time.monotonic() < deadline, "no KV events received"
+            publisher.publish(_batch(AllBlocksCleared()))
+            await asyncio.sleep(0.05)
+        publisher.publish(_batch(_stored(H[:3])))
+        publisher.publish(_batch(BlockRemoved(block_hashes=[H[2]], medium="GPU")))
+        publisher.publish(_batch(_stored(H[3:]), _stored(H[2:3])))
+        got: list[KVEvent] = []
+        while len(got) < 4:
+            assert time.monotonic() < deadline
+            got += listener.drain()
+            await asyncio.sleep(0.02)
+        assert [e.kind for e in got] == ["stored", "removed", "stored", "stored"]
+        directory.apply(r, got)
+        assert directory.cached_blocks(r, H) == 4
+        full = listener.drain(full=True)
+        assert full[0] == KVEvent("cleared")
+        assert set(full[1].block_hashes) == set(H)
+    finally:
+        task.cancel()
+        publisher.shutdown()
+
+
+def test_int_hashes_are_refused() -> None:
+    with pytest.raises(ValueError, match="full digest"):
+        convert(_batch(_stored((12345,))))  # type: ignore[arg-type]
+
+
+class FakeRouter:
+    """The router actor's ``report`` at its process boundary."""
+
+    def __init__(self) -> None:
+        self.incarnation = "one"
+        self.reports: list[ReplicaReport] = []
+        self.fail = False
+        outer = self
+
+        class _Method:
+            def remote(self, report: ReplicaReport) -> Any:
+                async def answer() -> str:
+                    if outer.fail:
+                        raise RuntimeError("restarting")
+                    outer.reports.append(report)
+                    return outer.incarnation
+
+                return answer()
+
+        self.report = _Method()
+
+
+async def test_reporter_resends_all_blocks_to_a_new_router() -> None:
+    router = FakeRouter()
+    sent: list[bool] = []
+
+    def kv(full: bool) -> tuple[KVEvent, ...]:
+        sent.append(full)
+        return (KVEvent("cleared"),) if full else ()
+
+    reporter = Reporter(
+        "r1",
+        progress=lambda: (),
+        tokens_generated=lambda: 0,
+        kv_events=kv,
+        connect=lambda: router,
+        interval_s=0.01,
+    )
+    task = asyncio.create_task(reporter.run())
+
+    async def reports(n: int) -> None:
+        while len(router.reports) < n:
+            await asyncio.sleep(0.005)
+
+    try:
+        await reports(3)
+        assert sent[:3] == [True, False, False]  # first contact gets everything
+        router.incarnation = "two"  # the router restarted
+        n = len(router.reports)
+        await reports(n + 2)
+        assert sent[n : n + 2] == [False, True]
+        router.fail = True  # a lost report may have carried changes
+        await asyncio.sleep(0.05)
+        n = len(router.reports)
+        router.fail = False
+        await reports(n + 2)
+        first_after = router.reports[n]
+        assert first_after.kv_events == (KVEvent("cleared"),)
+        assert router.reports[n + 1].kv_events == ()
+    finally:
+        task.cancel()
