@@ -67,6 +67,7 @@ class _Placement:
     dispatched_at: float
     started: bool = False
     ttft_s: float | None = None
+    expert_hist: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +219,11 @@ class Frontend:
                     completion += len(event.token_ids)
                 elif isinstance(event, Finish):
                     done = True
+                    placed = self._placed.get(rid)
+                    if placed is not None and placed.expert_hist:
+                        event = dataclasses.replace(
+                            event, expert_hist=placed.expert_hist
+                        )
                 yield event
             if not done:
                 raise EngineUnavailable("engine stream ended without finishing")
@@ -282,7 +288,9 @@ class Frontend:
             # Aborted, disconnected or out of time while queued: leave the queue.
             self._admission.release(Release(request.request_id, Outcome.CANCELLED))
             raise
-        self._placed[request.request_id] = _Placement(decision.replica_id, loop.time())
+        self._placed[request.request_id] = _Placement(
+            decision.replica_id, loop.time(), expert_hist=decision.expert_hist
+        )
         return dataclasses.replace(request, replica_id=decision.replica_id)
 
     def _settle(self, rid: str, outcome: Outcome) -> None:

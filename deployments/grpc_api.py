@@ -189,6 +189,7 @@ def finished_message(rid: str, f: Finish) -> pb.GenerateResponse:
             completion_tokens=f.completion_tokens,
             cached_tokens=f.cached_tokens,
             replica_id=f.replica_id,
+            predicted_expert_hits=f.expert_hist,
         ),
     )
 

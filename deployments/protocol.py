@@ -62,6 +62,7 @@ class Finish:
     completion_tokens: int
     cached_tokens: int
     replica_id: str
+    expert_hist: tuple[int, ...] = ()  # the router's predicted expert hits
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ from deployments.frontend import Frontend
 from deployments.protocol import EngineRequest, Finish, Sampling, Started, TokenDelta
 from deployments.validation import Limits
 from router.core import RouterCore
+from router.experts import ExpertPredictor
 from router.qos import QoS
 from router.service import RouterService
 from router.tickets import TicketMaker
@@ -141,3 +143,18 @@ async def test_failure_mid_stream_is_reported_against_the_replica() -> None:
         with pytest.raises(EngineUnavailable):
             await drain(fe, req(rid))
     assert service.snapshot()["replicas"]["a"]["breaker"] == "open"
+
+
+async def test_the_predicted_expert_histogram_is_recorded_on_the_request(
+    tiny_model: Path,
+) -> None:
+    predictor = ExpertPredictor.from_checkpoint(tiny_model)
+    fe, _service, _ = setup(ok("a"))
+    admission = fe._admission
+    assert isinstance(admission, LocalAdmission)
+    admission.tickets = TicketMaker(
+        block_size=16, hash_blocks=False, predictor=predictor
+    )
+    events = await drain(fe, req("1"))
+    assert events[-1].expert_hist == predictor.histogram([1, 2, 3])
+    assert sum(events[-1].expert_hist) == 3 * 2  # 3 prompt tokens x top-2
