@@ -119,6 +119,27 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_router(args: argparse.Namespace) -> int:
+    import json
+
+    import ray
+
+    from router import actor as router_actor
+
+    ray.init(address=args.address, namespace="moe-cluster-cli", logging_level="ERROR")
+    try:
+        name = router_actor.actor_name(args.app)
+        try:
+            handle = ray.get_actor(name, namespace=router_actor.NAMESPACE)
+        except ValueError:
+            print(f"moe-cluster: no router {name!r} on this cluster", file=sys.stderr)
+            return 1
+        print(json.dumps(ray.get(handle.snapshot.remote(), timeout=30), indent=1))
+    finally:
+        ray.shutdown()
+    return 0
+
+
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from cluster.tiny_model import checkpoint_digest, write_tiny_model
 
@@ -161,6 +182,14 @@ def parser() -> argparse.ArgumentParser:
             )
             g.add_argument("--deadline-ms", type=int, default=0)
             g.add_argument("--tenant", default="")
+
+    r = sub.add_parser(
+        "router",
+        help="print the DeepSeekRouter's state: replicas, load, breakers, queues",
+    )
+    r.add_argument("--address", default="auto", help="Ray cluster (default: auto)")
+    r.add_argument("--app", default="moe-cluster", help="application name")
+    r.set_defaults(func=cmd_router)
 
     from deployments.bench.cli import add_parser as add_bench_parser
 

@@ -1,7 +1,7 @@
 """Starts one serving system on the tiny model, in this process, until killed.
 
     python -m tests.perf.peers ray-serve-llm --port 8100 --replicas 2 [--prefix-router]
-    python -m tests.perf.peers moe-cluster --port 8100 --replicas 1
+    python -m tests.perf.peers moe-cluster --port 8100 --replicas 1 [--no-router]
 
 Used by ``compare_peers``; bare vLLM is started with its own ``vllm serve``. Every
 system gets the same engine settings and one CPU core per replica.
@@ -83,7 +83,7 @@ def serve_ray_serve_llm(port: int, replicas: int, prefix_router: bool) -> None:
     serve.run(app, name="rsllm", route_prefix="/")
 
 
-def serve_moe_cluster(port: int, replicas: int) -> None:
+def serve_moe_cluster(port: int, replicas: int, router: bool = True) -> None:
     import ray
 
     from cluster.config import ClusterConfig
@@ -96,6 +96,7 @@ def serve_moe_cluster(port: int, replicas: int) -> None:
                 "engine": ENGINE | {"omp_num_threads": 1},
                 "deployment": {"num_replicas": replicas, "num_cpus": 1},
                 "server": {"http_port": port, "grpc_port": port + 1},
+                "router": {"enabled": router},
             }
         )
     )
@@ -109,6 +110,9 @@ def main() -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--prefix-router", action="store_true")
+    p.add_argument(
+        "--no-router", action="store_true", help="moe-cluster: Serve's own routing"
+    )
     args = p.parse_args()
     os.environ.update(ENV)
     if not (MODEL_DIR / "config.json").exists():
@@ -116,7 +120,7 @@ def main() -> None:
     if args.system == "ray-serve-llm":
         serve_ray_serve_llm(args.port, args.replicas, args.prefix_router)
     else:
-        serve_moe_cluster(args.port, args.replicas)
+        serve_moe_cluster(args.port, args.replicas, router=not args.no_router)
     print("READY", flush=True)
     wait_for_stop_signal()
     from ray import serve

@@ -1,0 +1,172 @@
+"""Realtime TTFT alone and under a background flood, with and without the router.
+
+    .venv/bin/python -m tests.perf.qos_flood [--capacity REQ_S] [--duration 30]
+
+Two moe-cluster engine replicas (one core each) on the tiny model, driven over gRPC
+by ``moe-cluster bench``'s load generator. For each mode (the DeepSeekRouter's QoS
+admission; then ``router.enabled: false``, Serve's own first-come routing):
+
+- realtime alone: 2 req/s (Poisson), 64 prompt / 32 output tokens;
+- the same realtime stream under background at 2x capacity (128 / 64 tokens).
+
+Capacity is the background shape's closed-loop request rate at 32 streams, measured
+once on the first mode. Also prints the router's own compute time per decision and
+the ingress-to-router admission round trip on an idle cluster. Writes
+``tests/perf/results/qos_flood.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from typing import Any
+
+from deployments.bench.backends import GrpcBackend
+from deployments.bench.report import Slo, summarize
+from deployments.bench.runner import Limits, run_closed_loop, run_open_loop
+from deployments.bench.workload import ClassSpec, LengthRange, Workload
+from tests.perf.compare_peers import PORT, RESULTS, Peer, Server, _module
+
+TARGET = f"127.0.0.1:{PORT + 1}"
+SLO = Slo(ttft_ms=1000)
+REALTIME = ClassSpec(
+    "realtime", rate=2.0, input_len=LengthRange(64, 64), output_len=LengthRange(32, 32)
+)
+BACKGROUND = ClassSpec(
+    "background", input_len=LengthRange(128, 128), output_len=LengthRange(64, 64)
+)
+MODES = (
+    Peer("router", "router QoS", _module("moe-cluster"), ()),
+    Peer(
+        "no-router",
+        "Serve routing (router off)",
+        _module("moe-cluster", "--no-router"),
+        (),
+    ),
+)
+
+
+async def _open(workload: Workload, duration_s: float) -> dict[str, Any]:
+    backend = GrpcBackend(TARGET)
+    try:
+        records, duration = await run_open_loop(
+            backend, workload.requests(), Limits(duration_s=duration_s)
+        )
+    finally:
+        await backend.close()
+    return summarize(records, duration, SLO)
+
+
+async def _capacity() -> float:
+    backend = GrpcBackend(TARGET)
+    w = Workload((BACKGROUND,), seed=4)
+    try:
+        await run_closed_loop(backend, w.requests(), 8, Limits(8))
+        records, duration = await run_closed_loop(backend, w.requests(), 32, Limits(96))
+    finally:
+        await backend.close()
+    rate: float = summarize(records, duration, SLO)["all"]["request_rate"]
+    return rate
+
+
+def _router_latency() -> dict[str, Any]:
+    """Admission round trips to the router actor on an idle cluster, and the
+    router's own compute per decision over the run."""
+    import ray
+
+    from router import actor as router_actor
+    from router.qos import QoS
+    from router.types import Outcome, Release, Ticket
+
+    ray.init(address="auto", namespace="qos-flood", logging_level="ERROR")
+    try:
+        handle = ray.get_actor(
+            router_actor.actor_name("moe-cluster"), namespace=router_actor.NAMESPACE
+        )
+        snap = ray.get(handle.snapshot.remote())
+        rtts = []
+        for i in range(300):
+            t0 = time.perf_counter()
+            ray.get(handle.admit.remote(Ticket(f"probe-{i}", QoS.NORMAL, 64, 1)))
+            rtts.append(time.perf_counter() - t0)
+            handle.release.remote(Release(f"probe-{i}", Outcome.CANCELLED))
+        rtts.sort()
+        return {
+            "decision_us": snap.get("decision_us"),
+            "admit_rtt_ms": {
+                "p50": rtts[len(rtts) // 2] * 1e3,
+                "p99": rtts[int(len(rtts) * 0.99)] * 1e3,
+            },
+            "shed": snap["shed"],
+        }
+    finally:
+        ray.shutdown()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--capacity", type=float, default=None, help="req/s; skip measuring")
+    p.add_argument("--duration", type=float, default=30.0)
+    args = p.parse_args()
+    logs = RESULTS / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    capacity = args.capacity
+    out: dict[str, Any] = {}
+    for mode in MODES:
+        print(f"== {mode.label}", flush=True)
+        server = Server(mode, 2, logs / f"qos-{mode.key}.log")
+        try:
+            if capacity is None:
+                capacity = asyncio.run(_capacity())
+                print(f"capacity {capacity:.2f} req/s", flush=True)
+            alone = asyncio.run(_open(Workload((REALTIME,), seed=5), args.duration))
+            bg = ClassSpec(
+                "background",
+                rate=2 * capacity,
+                input_len=BACKGROUND.input_len,
+                output_len=BACKGROUND.output_len,
+            )
+            flood = asyncio.run(_open(Workload((REALTIME, bg), seed=6), args.duration))
+            out[mode.key] = {"alone": alone, "flood": flood}
+            if mode.key == "router":
+                out[mode.key]["router"] = _router_latency()
+        finally:
+            server.stop()
+    out["capacity_req_s"] = capacity
+    (RESULTS / "qos_flood.json").write_text(json.dumps(out, indent=1))
+    print(table(out))
+
+
+def table(out: dict[str, Any]) -> str:
+    rows = [
+        "| mode | load | realtime TTFT p50 (ms) | p99 (ms) | realtime refused "
+        "| background done | background refused | background tok/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key in ("router", "no-router"):
+        for load in ("alone", "flood"):
+            s = out[key][load]
+            rt, bg = s["realtime"], s.get("background")
+            rows.append(
+                f"| {key} | {load} | {rt['ttft_ms']['p50']:.0f} | "
+                f"{rt['ttft_ms']['p99']:.0f} | {rt['requests'] - rt['completed']} | "
+                + (
+                    f"{bg['completed']} | {bg['requests'] - bg['completed']} | "
+                    f"{bg['output_tok_s']:.0f} |"
+                    if bg
+                    else "- | - | - |"
+                )
+            )
+    r = out["router"]["router"]
+    rows.append(
+        f"\nRouter compute per decision: {r['decision_us']}; admission round trip "
+        f"(ingress-side call to the actor, idle): {r['admit_rtt_ms']}. "
+        f"Background offered at 2 x {out['capacity_req_s']:.2f} req/s."
+    )
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    main()
