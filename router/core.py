@@ -205,8 +205,10 @@ class RouterCore:
         if replica.breaker.on_dispatch():
             reason = "half-open-probe"
         now = self._clock()
-        replica.leases[t.request_id] = Lease(
-            t.request_id, t.qos, t.prompt_tokens, t.max_tokens, now, t.expert_hist
+        replica.add(
+            Lease(
+                t.request_id, t.qos, t.prompt_tokens, t.max_tokens, now, t.expert_hist
+            )
         )
         self._where[t.request_id] = replica.replica_id
         self.queues.take(w)
@@ -224,7 +226,7 @@ class RouterCore:
         where = self._where.pop(rid, None)
         replica = self.replicas.get(where) if where is not None else None
         if replica is not None:
-            replica.leases.pop(rid, None)
+            replica.remove(rid)
         self._freed.add(now)
         if release.ttft_s is not None:
             self._ttft.add(release.ttft_s)

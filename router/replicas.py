@@ -40,6 +40,23 @@ class Replica:
     tokens_per_s: float = 0.0
     leases: dict[str, Lease] = field(default_factory=dict)
     measured_expert_load: tuple[float, ...] = ()
+    # Sum of the leases' predicted expert hits, kept as leases come and go.
+    _predicted: dict[int, float] = field(default_factory=dict)
+
+    def add(self, lease: Lease) -> None:
+        self.remove(lease.request_id)
+        self.leases[lease.request_id] = lease
+        for e, n in enumerate(lease.expert_hist):
+            if n:
+                self._predicted[e] = self._predicted.get(e, 0.0) + n
+
+    def remove(self, request_id: str) -> Lease | None:
+        lease = self.leases.pop(request_id, None)
+        if lease is not None:
+            for e, n in enumerate(lease.expert_hist):
+                if n:
+                    self._predicted[e] -= n
+        return lease
 
     @property
     def running(self) -> int:
@@ -52,9 +69,9 @@ class Replica:
     def expert_load(self, num_experts: int) -> list[float]:
         """Predicted tokens in flight per expert; a measured report wins if larger."""
         load = [0.0] * num_experts
-        for lease in self.leases.values():
-            for e, n in enumerate(lease.expert_hist[:num_experts]):
-                load[e] += n
+        for e, x in self._predicted.items():
+            if e < num_experts:
+                load[e] = x
         for e, x in enumerate(self.measured_expert_load[:num_experts]):
             load[e] = max(load[e], x)
         return load
@@ -79,10 +96,10 @@ class Replica:
                 if p.request_id in released:
                     continue  # finished while the report was on its way
                 lease = Lease(p.request_id, p.qos, p.prompt_tokens, p.max_tokens, now)
-                self.leases[p.request_id] = lease
+                self.add(lease)
             lease.output_tokens = p.output_tokens
             lease.reported = True
         for rid, lease in list(self.leases.items()):
             late = now - lease.dispatched_at > grace_s
             if rid not in seen and (lease.reported or late):
-                del self.leases[rid]
+                self.remove(rid)

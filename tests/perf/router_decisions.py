@@ -20,7 +20,15 @@ from cluster.config import RouterConfig
 from router.core import RouterCore
 from router.prefix import block_hashes
 from router.qos import QoS
-from router.types import KVEvent, Outcome, Release, ReplicaId, ReplicaReport, Ticket
+from router.types import (
+    KVEvent,
+    Outcome,
+    Release,
+    ReplicaId,
+    ReplicaReport,
+    RouteDecision,
+    Ticket,
+)
 
 EXPERTS = 16
 
@@ -59,10 +67,13 @@ def run(policy: str, replicas: int, n: int) -> tuple[float, float]:
         done = running.pop(0)
         t0 = time.perf_counter()
         core.release(Release(done, Outcome.OK, None, 0.05))
-        core.submit(ticket(i))
+        t = ticket(i)
+        now = core.submit(t)
         dispatched = core.pump() + core.take_dispatched()
         times.append(time.perf_counter() - t0)
         running += [w.ticket.request_id for w, _ in dispatched]
+        if isinstance(now, RouteDecision):
+            running.append(t.request_id)
         i += 1
     times.sort()
     return times[len(times) // 2] * 1e6, times[int(len(times) * 0.99)] * 1e6

@@ -13,7 +13,7 @@ def _replica(name: str, *leases: Lease, tokens_per_s: float = 0.0) -> Replica:
     b = ReplicaBreaker(name, failures=1, open_s=1, clock=Clock(), emit=print)
     r = Replica(ReplicaId(name), b, 0.0, tokens_per_s)
     for lease in leases:
-        r.leases[lease.request_id] = lease
+        r.add(lease)
     return r
 
 
