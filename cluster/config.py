@@ -75,6 +75,13 @@ class EngineConfig(_Strict):
         "milliseconds (the first at once): fewer messages through Ray at high "
         "concurrency. 0 sends every engine step.",
     )
+    background_stream_interval_ms: float = Field(
+        500.0,
+        ge=0,
+        description="stream_interval_ms for background requests: batch jobs want "
+        "throughput, not smooth streaming, and every message they save is proxy "
+        "and ingress time realtime streams get instead.",
+    )
     cpu_omp_threads_bind: str = Field(
         "nobind",
         description="vLLM CPU backend: VLLM_CPU_OMP_THREADS_BIND for each engine "

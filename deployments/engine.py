@@ -105,11 +105,16 @@ class VLLMEngine:
     """
 
     def __init__(
-        self, engine: AsyncLLM, replica_id: str, stream_interval_s: float = 0.0
+        self,
+        engine: AsyncLLM,
+        replica_id: str,
+        stream_interval_s: float = 0.0,
+        background_stream_interval_s: float = 0.0,
     ) -> None:
         self._engine = engine
         self.replica_id = replica_id
         self._stream_interval_s = stream_interval_s
+        self._background_interval_s = background_stream_interval_s
         self._running: dict[str, list[int]] = {}  # id -> [prompt, output, max, qos]
         self.tokens_generated = 0
 
@@ -126,8 +131,12 @@ class VLLMEngine:
             config.engine,
             kv_events_endpoint,
         )
-        interval_s = config.engine.stream_interval_ms / 1000
-        return cls(AsyncLLM.from_engine_args(args), replica_id, interval_s)
+        return cls(
+            AsyncLLM.from_engine_args(args),
+            replica_id,
+            config.engine.stream_interval_ms / 1000,
+            config.engine.background_stream_interval_ms / 1000,
+        )
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
         from vllm.inputs import TokensPrompt
@@ -150,7 +159,11 @@ class VLLMEngine:
                 priority=int(request.qos),
             )
             yield Started(self.replica_id)
-            batcher = DeltaBatcher(self._stream_interval_s)
+            batcher = DeltaBatcher(
+                self._background_interval_s
+                if request.qos == QoS.BACKGROUND
+                else self._stream_interval_s
+            )
             clock = asyncio.get_running_loop().time
             async for out in outputs:
                 seq = out.outputs[0]

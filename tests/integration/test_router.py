@@ -147,3 +147,25 @@ def test_router_killed_mid_load_loses_no_request(served: Served) -> None:
 
     wait_until(rebuilt, 10, "the restarted router to learn both replicas")
     print(f"router state rebuilt {time.monotonic() - killed_at:.1f} s after the kill")
+
+
+def test_background_streams_in_larger_batches(served: Served) -> None:
+    """Background tokens come at most every engine.background_stream_interval_ms
+    (500 ms): fewer messages through the proxies for the class that waits anyway."""
+
+    def chunks(qos: int) -> tuple[int, float, int]:
+        request = pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=[70, 71]),
+            sampling=pb.SamplingParams(max_tokens=96, temperature=0, ignore_eos=True),
+            qos=qos,
+        )
+        t0 = time.monotonic()
+        msgs = list(served.client().generate(request, timeout=60))
+        tokens = sum(len(m.chunk.token_ids) for m in msgs if m.HasField("chunk"))
+        return len(msgs) - 1, time.monotonic() - t0, tokens
+
+    n_bg, took_bg, tokens_bg = chunks(pb.BACKGROUND)
+    n_rt, _, tokens_rt = chunks(pb.REALTIME)
+    assert tokens_bg == tokens_rt == 96
+    assert n_bg <= took_bg / 0.5 + 2  # the first at once, then one per 500 ms
+    assert n_rt > n_bg
