@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= cluster/configs/tiny-cpu.yaml
 MODEL  := .models/tiny-deepseek-v2
 
-.PHONY: install serve test lint unit model proto clean bench-peers
+.PHONY: install serve test lint unit model proto clean bench-peers bench-qos
 
 install: $(STAMP)
 
@@ -47,3 +47,9 @@ clean:
 # (several minutes; writes tests/perf/results/peers.{json,md}).
 bench-peers: install
 	$(BIN)/python -m tests.perf.compare_peers
+
+# Realtime TTFT alone / under a 2x background flood, router on and off (~9 min);
+# then the router's compute per decision per policy.
+bench-qos: model
+	$(BIN)/python -m tests.perf.qos_flood
+	$(BIN)/python -m tests.perf.router_decisions
