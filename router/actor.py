@@ -123,6 +123,12 @@ class DeepSeekRouter:
     async def snapshot(self) -> dict[str, Any]:
         return self._service.snapshot()
 
+    async def reset_stats(self) -> None:
+        """Forgets the latency samples in ``snapshot`` (between benchmark phases)."""
+        for samples in self._service.core.served_ttft.values():
+            samples.clear()
+        self._service.decision_s.clear()
+
     async def ready(self) -> bool:
         self._service.start()
         return True

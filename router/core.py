@@ -10,6 +10,7 @@ service and the Ray actor around it only wait and deliver.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -59,6 +60,8 @@ class RouterCore:
         self.directory = PrefixDirectory()
         self.policy = self._make_policy(config)
         self.transitions: list[Transition] = []
+        # Submission to first token of recent requests, per class (seconds).
+        self.served_ttft: dict[QoS, deque[float]] = {q: deque(maxlen=2000) for q in QoS}
         self.counters = Counters()
         self._where: dict[str, ReplicaId] = {}  # request id -> replica of its lease
         self._released: dict[str, float] = {}
@@ -207,7 +210,13 @@ class RouterCore:
         now = self._clock()
         replica.add(
             Lease(
-                t.request_id, t.qos, t.prompt_tokens, t.max_tokens, now, t.expert_hist
+                t.request_id,
+                t.qos,
+                t.prompt_tokens,
+                t.max_tokens,
+                now,
+                t.expert_hist,
+                queued_s=now - w.submitted_at,
             )
         )
         self._where[t.request_id] = replica.replica_id
@@ -225,11 +234,12 @@ class RouterCore:
         self._released[rid] = now
         where = self._where.pop(rid, None)
         replica = self.replicas.get(where) if where is not None else None
-        if replica is not None:
-            replica.remove(rid)
+        lease = replica.remove(rid) if replica is not None else None
         self._freed.add(now)
         if release.ttft_s is not None:
             self._ttft.add(release.ttft_s)
+            if lease is not None:
+                self.served_ttft[lease.qos].append(lease.queued_s + release.ttft_s)
         blamed = self.replicas.get(release.replica_id or where or ReplicaId(""))
         if blamed is None:
             return  # a replica the router no longer (or not yet) knows
@@ -330,6 +340,18 @@ class RouterCore:
                 for (q, why), n in self.counters.shed.items()
             },
             "ttft_estimate_s": self._ttft.value,
+            "ttft_ms": {q.name.lower(): _percentiles(self.served_ttft[q]) for q in QoS},
             "dispatch_rate": self._freed.rate(now),
             "hot_experts": self.expert_breakers.hot() if self.expert_breakers else [],
         }
+
+
+def _percentiles(samples: deque[float]) -> dict[str, float] | None:
+    if not samples:
+        return None
+    xs = sorted(samples)
+    return {
+        "p50": xs[len(xs) // 2] * 1000,
+        "p99": xs[min(len(xs) - 1, int(len(xs) * 0.99))] * 1000,
+        "n": len(xs),
+    }

@@ -24,6 +24,7 @@ class Lease:
     expert_hist: tuple[int, ...] = ()
     output_tokens: int = 0
     reported: bool = False  # seen in a replica report at least once
+    queued_s: float = 0.0  # time it waited in the router's class queue
 
     @property
     def remaining_tokens(self) -> int:

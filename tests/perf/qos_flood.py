@@ -71,6 +71,22 @@ async def _capacity() -> float:
     return rate
 
 
+def _router(method: str) -> Any:
+    """Calls a method of the running cluster's router actor."""
+    import ray
+
+    from router import actor as router_actor
+
+    ray.init(address="auto", namespace="qos-flood", logging_level="ERROR")
+    try:
+        handle = ray.get_actor(
+            router_actor.actor_name("moe-cluster"), namespace=router_actor.NAMESPACE
+        )
+        return ray.get(getattr(handle, method).remote())
+    finally:
+        ray.shutdown()
+
+
 def _router_latency() -> dict[str, Any]:
     """Admission round trips to the router actor on an idle cluster, and the
     router's own compute per decision over the run."""
@@ -100,6 +116,7 @@ def _router_latency() -> dict[str, Any]:
                 "p99": rtts[int(len(rtts) * 0.99)] * 1e3,
             },
             "shed": snap["shed"],
+            "served_ttft_ms": snap["ttft_ms"],
         }
     finally:
         ray.shutdown()
@@ -123,6 +140,9 @@ def main() -> None:
                 capacity = asyncio.run(_capacity())
                 print(f"capacity {capacity:.2f} req/s", flush=True)
             alone = asyncio.run(_open(Workload((REALTIME,), seed=5), args.duration))
+            if mode.key == "router":
+                alone["router_ttft_ms"] = _router("snapshot")["ttft_ms"]
+                _router("reset_stats")
             bg = ClassSpec(
                 "background",
                 rate=2 * capacity,
@@ -166,6 +186,25 @@ def table(out: dict[str, Any]) -> str:
     if r is None:
         return "\n".join(rows)
     d, rtt = r["decision_us"], r["admit_rtt_ms"]
+    served = [
+        (load, t)
+        for load, t in (
+            ("alone", out["router"]["alone"].get("router_ttft_ms")),
+            ("flood", r.get("served_ttft_ms")),
+        )
+        if t and t.get("realtime")
+    ]
+    if served:
+        rows.append(
+            "\nServer side (the router's view: submission to first token at the "
+            "ingress), realtime: "
+            + "; ".join(
+                f"{load} p50 {t['realtime']['p50']:.0f} ms, "
+                f"p99 {t['realtime']['p99']:.0f} ms"
+                for load, t in served
+            )
+            + "."
+        )
     rows.append(
         f"\nBackground offered at 2 x {out['capacity_req_s']:.2f} req/s (its "
         f"measured capacity). Router compute per dispatched request during the "

@@ -240,3 +240,20 @@ def test_expert_breaker_defers_background_not_realtime() -> None:
     assert core.snapshot()["hot_experts"] == []
     released = {w.ticket.request_id for w, _ in core.pump()}
     assert released == {"bg", "n2"}
+
+
+def test_served_ttft_per_class_counts_the_queue_wait() -> None:
+    clock = Clock()
+    core = _core(clock, realtime_reserved_slots=0)
+    for i in range(4):
+        core.submit(_t(f"fill{i}"))
+    assert isinstance(core.submit(_t("rt", RT)), Waiting)
+    clock.advance(0.5)
+    _ok(core, "fill0")
+    [(w, _)] = core.pump()
+    assert w.ticket.request_id == "rt"
+    _ok(core, "rt", ttft=0.1)  # dispatch to first token
+    assert core.snapshot()["ttft_ms"]["realtime"] == pytest.approx(
+        {"p50": 600.0, "p99": 600.0, "n": 1}
+    )
+    assert core.snapshot()["ttft_ms"]["background"] is None
