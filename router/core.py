@@ -96,12 +96,11 @@ class RouterCore:
         now = self._clock()
         qos = ticket.qos
         if ticket.deadline_s is not None and ticket.deadline_s < self._ttft.value:
-            self._count_shed(qos, "deadline")
-            raise Shed(
+            raise self._shed(
+                qos,
                 "deadline",
                 f"deadline_ms={ticket.deadline_s * 1000:.0f} is shorter than the "
                 f"expected time to first token ({self._ttft.value * 1000:.0f} ms)",
-                self.retry_after(qos),
             )
         full = self.queues.full(qos)
         deadline_at = None if ticket.deadline_s is None else now + ticket.deadline_s
@@ -114,17 +113,16 @@ class RouterCore:
             self._pending_decisions.append((w, decision))
         if full:  # it would have to wait, and its queue has no room
             self.queues.drop(waiting)
-            self._count_shed(qos, "queue-full")
-            raise Shed(
+            raise self._shed(
+                qos,
                 "queue-full",
                 f"the {qos.name.lower()} queue is full "
                 f"({self.queues.depth(qos)} waiting); retry later",
-                self.retry_after(qos),
             )
         if deadline_at is not None and now + estimate + self._ttft.value > deadline_at:
             self.queues.drop(waiting)
-            self._count_shed(qos, "deadline")
-            raise Shed(
+            raise self._shed(
+                qos,
                 "deadline",
                 f"expected wait {estimate * 1000:.0f} ms plus time to first token "
                 f"exceeds deadline_ms={ticket.deadline_s * 1000:.0f}",  # type: ignore[operator]
@@ -304,8 +302,7 @@ class RouterCore:
                 else:
                     continue
                 self.queues.drop(w)
-                self._count_shed(qos, reason)
-                shed.append((w, Shed(reason, msg, self.retry_after(qos))))
+                shed.append((w, self._shed(qos, reason, msg)))
         return shed
 
     def _expert_load(self) -> list[float]:
@@ -315,9 +312,15 @@ class RouterCore:
                 load[e] += x
         return load
 
-    def _count_shed(self, qos: QoS, reason: str) -> None:
+    def _shed(
+        self, qos: QoS, reason: str, message: str, retry_s: float | None = None
+    ) -> Shed:
+        """Counts a refusal and returns it (retry hint: the class's expected wait)."""
         key = (qos, reason)
         self.counters.shed[key] = self.counters.shed.get(key, 0) + 1
+        return Shed(
+            reason, message, self.retry_after(qos) if retry_s is None else retry_s
+        )
 
     def snapshot(self) -> dict[str, Any]:
         now = self._clock()
