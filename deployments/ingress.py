@@ -115,6 +115,7 @@ def _router_client(config: ClusterConfig) -> RouterClient | None:
         ),
     )
     app, model = config.server.app_name, config.model.path
+    router_actor.get_or_create(r, app, model, replace=True)  # this config wins
     return RouterClient(lambda: router_actor.get_or_create(r, app, model), tickets)
 
 

@@ -9,7 +9,6 @@ in flight do not notice it die.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -123,6 +122,9 @@ class DeepSeekRouter:
     async def snapshot(self) -> dict[str, Any]:
         return self._service.snapshot()
 
+    async def config(self) -> RouterConfig:
+        return self._service.core.config
+
     async def reset_stats(self) -> None:
         """Forgets the latency samples in ``snapshot`` (between benchmark phases)."""
         for samples in self._service.core.served_ttft.values():
@@ -134,9 +136,23 @@ class DeepSeekRouter:
         return True
 
 
-def get_or_create(config: RouterConfig, app_name: str, model_path: str) -> Any:
-    """The app's router actor handle, creating the actor if it does not exist yet."""
+def get_or_create(
+    config: RouterConfig, app_name: str, model_path: str, *, replace: bool = False
+) -> Any:
+    """The app's router actor handle, creating the actor if it does not exist yet.
+
+    With ``replace``, an existing router running another configuration (the app
+    was redeployed with a changed ``router`` section) is killed and a new one
+    started; the replicas' next reports rebuild its state.
+    """
     cls = ray.remote(DeepSeekRouter)
+    if replace:
+        with contextlib.suppress(ValueError):
+            old = ray.get_actor(actor_name(app_name), namespace=NAMESPACE)
+            running: Any = ray.get(old.config.remote(), timeout=30)
+            if running != config:
+                logger.warning("router configuration changed: replacing the router")
+                ray.kill(old, no_restart=True)
     return cls.options(
         name=actor_name(app_name),
         namespace=NAMESPACE,
@@ -151,8 +167,6 @@ def get_or_create(config: RouterConfig, app_name: str, model_path: str) -> Any:
 
 def kill(app_name: str) -> None:
     with contextlib.suppress(ValueError):
-        ray.kill(ray.get_actor(actor_name(app_name), namespace=NAMESPACE))
-
-
-async def wait_ready(handle: Any, timeout_s: float = 30.0) -> None:
-    await asyncio.wait_for(handle.ready.remote(), timeout_s)
+        ray.kill(
+            ray.get_actor(actor_name(app_name), namespace=NAMESPACE), no_restart=True
+        )

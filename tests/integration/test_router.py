@@ -169,3 +169,23 @@ def test_background_streams_in_larger_batches(served: Served) -> None:
     assert tokens_bg == tokens_rt == 96
     assert n_bg <= took_bg / 0.5 + 2  # the first at once, then one per 500 ms
     assert n_rt > n_bg
+
+
+def test_a_changed_router_config_replaces_the_router(served: Served) -> None:
+    import ray
+
+    from cluster.config import RouterConfig
+
+    app, model = "config-change-test", served.config.model.path
+    first = router_actor.get_or_create(RouterConfig(), app, model, replace=True)
+    try:
+        assert ray.get(first.config.remote(), timeout=30) == RouterConfig()
+        same = router_actor.get_or_create(RouterConfig(), app, model, replace=True)
+        assert same._actor_id == first._actor_id
+        changed = RouterConfig(policy="weighted_round_robin")
+        second = router_actor.get_or_create(changed, app, model, replace=True)
+        assert second._actor_id != first._actor_id
+        assert ray.get(second.config.remote(), timeout=30) == changed
+        assert ray.get(second.snapshot.remote())["policy"] == "weighted_round_robin"
+    finally:
+        router_actor.kill(app)
