@@ -10,6 +10,7 @@ any other: the ingress learns where it ran from the stream's ``Started`` event.
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -38,4 +39,6 @@ class PinnedRequestRouter(RequestRouter):
             for replica in candidate_replicas:
                 if replica.replica_id.unique_id == target:
                     return [[replica]]
-        return [candidate_replicas]
+        # Anywhere: two at random, as Serve's default (it takes the less busy);
+        # a fixed order would send every such call to the same replica.
+        return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
