@@ -33,6 +33,7 @@ class Served:
     grpc_target: str
     http_base: str
     api_key: str
+    metrics_url: str  # Ray's Prometheus endpoint
 
     def client(self, api_key: str | None = None) -> InferenceClient:
         return InferenceClient(
@@ -92,11 +93,21 @@ def served(tiny_model: Path) -> Iterator[Served]:
             }
         )
     )
-    ray.init(num_cpus=2, include_dashboard=False, namespace="moe-cluster-test")
+    metrics_port = _free_port()
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        namespace="moe-cluster-test",
+        _metrics_export_port=metrics_port,
+    )
     deploy(config)
     s = config.server
     yield Served(
-        config, f"127.0.0.1:{s.grpc_port}", f"http://127.0.0.1:{s.http_port}", API_KEY
+        config,
+        f"127.0.0.1:{s.grpc_port}",
+        f"http://127.0.0.1:{s.http_port}",
+        API_KEY,
+        f"http://127.0.0.1:{metrics_port}/metrics",
     )
     serve.shutdown()
     ray.shutdown()
@@ -117,6 +128,17 @@ def engine_stats(engine_handle: Any) -> dict[str, Any]:
     """
     stats = [engine_handle.stats.remote().result(timeout_s=30) for _ in range(20)]
     return {s.replica_id: s for s in stats}
+
+
+def metric_lines(served: Served, name: str) -> list[str]:
+    """Samples of ``name`` on Ray's Prometheus endpoint (empty until exported)."""
+    import httpx
+
+    try:
+        body = httpx.get(served.metrics_url, timeout=5).text
+    except httpx.HTTPError:
+        return []
+    return [line for line in body.splitlines() if line.startswith(name + "{")]
 
 
 def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:

@@ -11,7 +11,12 @@ import grpc
 import psutil
 
 from deployments.proto import inference_pb2 as pb
-from tests.integration.conftest import Served, engine_stats, wait_until
+from tests.integration.conftest import (
+    Served,
+    engine_stats,
+    metric_lines,
+    wait_until,
+)
 from tests.integration.test_router import router_snapshot
 
 RUN_LAST = True  # kills an engine; the cluster heals within the test
@@ -83,6 +88,15 @@ def test_dead_engine_fails_its_streams_opens_its_breaker_and_is_replaced(
         msgs = list(served.client().generate(ok, timeout=60))
         assert msgs[-1].finished.completion_tokens == 4
         assert msgs[-1].finished.replica_id != victim.replica_id
+
+    def metric_shows_it() -> bool:
+        lines = metric_lines(served, "ray_moe_cluster_router_breaker_transitions_total")
+        return any(
+            f'key="{victim.replica_id}"' in line and 'to="open"' in line
+            for line in lines
+        )
+
+    wait_until(metric_shows_it, 60, "the breaker transition on the metrics endpoint")
 
     def replaced() -> bool:
         now = engine_stats(engine_handle)

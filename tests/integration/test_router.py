@@ -14,7 +14,7 @@ import httpx
 
 from deployments.proto import inference_pb2 as pb
 from router import actor as router_actor
-from tests.integration.conftest import Served, wait_until
+from tests.integration.conftest import Served, metric_lines, wait_until
 
 
 @dataclass
@@ -189,3 +189,18 @@ def test_a_changed_router_config_replaces_the_router(served: Served) -> None:
         assert ray.get(second.snapshot.remote())["policy"] == "weighted_round_robin"
     finally:
         router_actor.kill(app)
+
+
+def test_router_metrics_reach_prometheus(served: Served) -> None:
+    """Admissions and sheds show on Ray's metrics endpoint (exported every ~10 s)."""
+    generate(served, [5, 6], 4, pb.REALTIME)
+    generate(served, [5, 6], 4, pb.REALTIME, deadline_ms=1)  # shed
+
+    def exported() -> bool:
+        admitted = metric_lines(served, "ray_moe_cluster_router_admitted_total")
+        shed = metric_lines(served, "ray_moe_cluster_router_shed_total")
+        return any('qos="realtime"' in line for line in admitted) and any(
+            'qos="realtime"' in line and 'reason="deadline"' in line for line in shed
+        )
+
+    wait_until(exported, 60, "router metrics on the Prometheus endpoint")
