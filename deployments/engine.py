@@ -152,8 +152,11 @@ class VLLMEngine:
         completion = 0
         finished = False
         try:
+            prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+            if request.tenant:  # tenants never share (or time) cached prefixes
+                prompt["cache_salt"] = request.tenant
             outputs = self._engine.generate(
-                TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)),
+                prompt,
                 sampling_params(request.sampling),
                 rid,
                 priority=int(request.qos),

@@ -274,6 +274,7 @@ class Frontend:
             request.prompt_token_ids,
             request.sampling.max_tokens,
             remaining,
+            request.tenant,
         )
         waiting = asyncio.ensure_future(self._admission.admit(ticket))
         self._inflight[request.request_id] = _NotOpen(waiting)

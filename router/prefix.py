@@ -7,7 +7,10 @@ chained hash, so the directory can be fed by the engines' own KV events:
     hi = sha256(pickle((h(i-1), tokens[iB:(i+1)B], None)))
 
 ``NONE_HASH`` is ``sha256(pickle(seed))`` with ``seed = $PYTHONHASHSEED`` when set and
-``"vllm-none-hash"`` otherwise; engines and ingress must agree on it.
+``"vllm-none-hash"`` otherwise; engines and ingress must agree on it. A tenant's
+requests carry its name as vLLM's ``cache_salt``, which enters the first block's
+hash (``extra = (("cache_salt", tenant),)``) and so every block after it: one
+tenant can never hit, or time, another tenant's cached prompt.
 """
 
 from __future__ import annotations
@@ -30,7 +33,10 @@ def none_hash(seed: str | None = None) -> BlockHash:
 
 
 def block_hashes(
-    token_ids: Sequence[int], block_size: int, seed: str | None = None
+    token_ids: Sequence[int],
+    block_size: int,
+    seed: str | None = None,
+    salt: str | None = None,
 ) -> tuple[BlockHash, ...]:
     """Chained hashes of the full blocks of ``token_ids`` (a partial tail is not
     hashed)."""
@@ -40,7 +46,8 @@ def block_hashes(
     out: list[BlockHash] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         block = tuple(int(t) for t in token_ids[start : start + block_size])
-        parent = BlockHash(_sha256((parent, block, None)))
+        extra = (("cache_salt", salt),) if salt and start == 0 else None
+        parent = BlockHash(_sha256((parent, block, extra)))
         out.append(parent)
     return tuple(out)
 

@@ -36,9 +36,10 @@ class TicketMaker:
         prompt: Sequence[int],
         max_tokens: int,
         deadline_s: float | None,
+        tenant: str = "",
     ) -> Ticket:
         hashes = (
-            block_hashes(prompt, self._block_size, self._seed)
+            block_hashes(prompt, self._block_size, self._seed, salt=tenant or None)
             if self._hash_blocks
             else ()
         )

@@ -204,3 +204,19 @@ def test_router_metrics_reach_prometheus(served: Served) -> None:
         )
 
     wait_until(exported, 60, "router metrics on the Prometheus endpoint")
+
+
+def test_a_tenant_runs_with_its_own_cache_salt_and_the_same_tokens(
+    served: Served,
+) -> None:
+    def tokens(tenant: str) -> list[int]:
+        request = pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=list(range(100, 140))),
+            sampling=pb.SamplingParams(max_tokens=8, temperature=0),
+            tenant=tenant,
+        )
+        msgs = list(served.client().generate(request, timeout=60))
+        return [t for m in msgs if m.HasField("chunk") for t in m.chunk.token_ids]
+
+    assert tokens("acme") == tokens("") == tokens("globex")
+    assert len(tokens("acme")) == 8

@@ -38,3 +38,17 @@ def test_directory_longest_prefix_and_removal() -> None:
     assert d.cached_blocks(r2, h) == 0 and d.num_blocks(r2) == 0
     d.forget(r1)
     assert d.num_blocks(r1) == 0
+
+
+def test_tenant_salt_matches_vllm_cache_salt_and_isolates_tenants() -> None:
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core import kv_cache_utils as kv
+
+    kv.init_none_hash(sha256)
+    tokens = list(range(32))
+    first = kv.hash_block_tokens(sha256, None, tokens[:16], (("cache_salt", "a"),))
+    second = kv.hash_block_tokens(sha256, first, tokens[16:32])
+    assert block_hashes(tokens, 16, salt="a") == (bytes(first), bytes(second))
+    plain, other = block_hashes(tokens, 16), block_hashes(tokens, 16, salt="b")
+    a = block_hashes(tokens, 16, salt="a")
+    assert not set(a) & set(plain) and not set(a) & set(other)
