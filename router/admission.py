@@ -45,6 +45,9 @@ class ClassQueues:
     def full(self, qos: QoS) -> bool:
         return len(self._queues[qos]) >= self._limits[qos]
 
+    def over_limit(self, qos: QoS) -> bool:
+        return len(self._queues[qos]) > self._limits[qos]
+
     def push(self, w: Waiting) -> None:
         q = self._queues[w.ticket.qos]
         if not q:  # rejoin at the current virtual time: idleness earns no credit

@@ -102,7 +102,6 @@ class RouterCore:
                 f"deadline_ms={ticket.deadline_s * 1000:.0f} is shorter than the "
                 f"expected time to first token ({self._ttft.value * 1000:.0f} ms)",
             )
-        full = self.queues.full(qos)
         deadline_at = None if ticket.deadline_s is None else now + ticket.deadline_s
         waiting = Waiting(ticket, now, deadline_at, next(self._tokens))
         estimate = self.expected_wait(qos)
@@ -111,7 +110,7 @@ class RouterCore:
             if w is waiting:
                 return decision
             self._pending_decisions.append((w, decision))
-        if full:  # it would have to wait, and its queue has no room
+        if self.queues.over_limit(qos):  # it must wait, and its queue has no room
             self.queues.drop(waiting)
             raise self._shed(
                 qos,

@@ -66,8 +66,9 @@ class RouterService:
         try:
             result = self.core.submit(ticket)
         finally:
+            # Others it dispatched on the way are delivered even if it was shed.
+            self._deliver(self.core.take_dispatched())
             self._drain()
-        self._deliver(self.core.take_dispatched())
         if isinstance(result, RouteDecision):
             self._decided(time.perf_counter() - t0)
             return result

@@ -69,3 +69,22 @@ async def test_ticker_sheds_expired_and_reports_transitions() -> None:
         assert [(t.key, t.new) for t in transitions] == [("a", "open")]
     finally:
         await svc.stop()
+
+
+async def test_requests_dispatched_while_another_is_shed_are_delivered() -> None:
+    cfg = RouterConfig.model_validate(
+        {
+            "max_running_per_replica": 1,
+            "realtime_reserved_slots": 0,
+            "max_queued": {"realtime": 1, "normal": 1, "background": 0},
+        }
+    )
+    svc = RouterService(RouterCore(cfg, clock=Clock()))
+    queued = asyncio.create_task(svc.admit(Ticket("q", QoS.NORMAL, 4, 4)))
+    await asyncio.sleep(0)  # no replica yet: it waits
+    # The replica appears in the core only (no pump); then a background request,
+    # whose queue has no room, arrives: its submit dispatches "q" on the way.
+    svc.core.report(ReplicaReport(ReplicaId("a")))
+    with pytest.raises(Shed, match="background queue is full"):
+        await asyncio.wait_for(svc.admit(Ticket("x", QoS.BACKGROUND, 4, 4)), 1)
+    assert (await asyncio.wait_for(queued, 1)).replica_id == "a"
