@@ -231,6 +231,7 @@ class EngineDeployment:
         replica_id = serve.get_replica_context().replica_id.unique_id
         router_on = config.router.enabled
         endpoint = kv_events.endpoint_for(replica_id) if router_on else None
+        self._kv_endpoint = endpoint
         self._engine = VLLMEngine.start(config, replica_id, endpoint)
         self._tasks: list[asyncio.Task[None]] = []
         if endpoint is not None:
@@ -284,3 +285,6 @@ class EngineDeployment:
         engine = getattr(self, "_engine", None)
         if engine is not None:
             engine.shutdown()
+        endpoint = getattr(self, "_kv_endpoint", None)
+        if endpoint is not None:
+            kv_events.remove_endpoint(endpoint)

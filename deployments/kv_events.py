@@ -25,6 +25,12 @@ def endpoint_for(replica_id: str) -> str:
     return f"ipc://{Path(tempfile.gettempdir()) / f'moe-cluster-kv-{replica_id}'}"
 
 
+def remove_endpoint(endpoint: str) -> None:
+    """Unlinks an ipc endpoint's socket file (vLLM's publisher leaves it behind)."""
+    if endpoint.startswith("ipc://"):
+        Path(endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
+
+
 def events_config(endpoint: str) -> Any:
     from vllm.config.kv_events import KVEventsConfig
 

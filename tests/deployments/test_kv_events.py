@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from deployments.kv_events import KVEventListener, convert
+from deployments.kv_events import KVEventListener, convert, remove_endpoint
 from deployments.reporter import Reporter
 from router.prefix import PrefixDirectory, block_hashes
 from router.types import KVEvent, ReplicaId, ReplicaReport
@@ -75,6 +75,9 @@ async def test_events_published_by_vllm_reach_the_directory(tmp_path: Path) -> N
     finally:
         task.cancel()
         publisher.shutdown()
+    assert (tmp_path / "kv").exists()  # the publisher leaves its socket file
+    remove_endpoint(endpoint)
+    assert not (tmp_path / "kv").exists()
 
 
 def test_int_hashes_are_refused() -> None:
