@@ -63,7 +63,6 @@ class RouterCore:
         # Submission to first token of recent requests, per class (seconds).
         self.served_ttft: dict[QoS, deque[float]] = {q: deque(maxlen=2000) for q in QoS}
         self.counters = Counters()
-        self._where: dict[str, ReplicaId] = {}  # request id -> replica of its lease
         self._released: dict[str, float] = {}
         self._ttft = Ewma(0.2, config.default_ttft_ms / 1000)
         self._freed = RateMeter()
@@ -216,7 +215,6 @@ class RouterCore:
                 queued_s=now - w.submitted_at,
             )
         )
-        self._where[t.request_id] = replica.replica_id
         self.queues.take(w)
         self.counters.admitted[t.qos] += 1
         return RouteDecision(
@@ -229,15 +227,16 @@ class RouterCore:
         now = self._clock()
         rid = release.request_id
         self._released[rid] = now
-        where = self._where.pop(rid, None)
-        replica = self.replicas.get(where) if where is not None else None
-        lease = replica.remove(rid) if replica is not None else None
+        holder = self._holder_of(rid, release.replica_id)
+        lease = holder.remove(rid) if holder is not None else None
         self._freed.add(now)
         if release.ttft_s is not None:
             self._ttft.add(release.ttft_s)
             if lease is not None:
                 self.served_ttft[lease.qos].append(lease.queued_s + release.ttft_s)
-        blamed = self.replicas.get(release.replica_id or where or ReplicaId(""))
+        # Blame where it ran (Serve may have moved it), else where it was placed.
+        rid_ran = release.replica_id
+        blamed = self.replicas.get(rid_ran) if rid_ran else holder
         if blamed is None:
             return  # a replica the router no longer (or not yet) knows
         if release.outcome is Outcome.OK:
@@ -263,9 +262,7 @@ class RouterCore:
                 now,
             )
             self.replicas[report.replica_id] = replica
-        replica.reconcile(report, now, LEASE_GRACE_S, set(self._released))
-        for rid in replica.leases:
-            self._where[rid] = replica.replica_id
+        replica.reconcile(report, now, LEASE_GRACE_S, self._released)
         self.directory.apply(report.replica_id, report.kv_events)
 
     def tick(self) -> list[tuple[Waiting, Shed]]:
@@ -284,11 +281,6 @@ class RouterCore:
         for req, at in list(self._released.items()):
             if now - at > RELEASED_MEMORY_S:
                 del self._released[req]
-        self._where = {
-            req: r
-            for req, r in self._where.items()
-            if r in self.replicas and req in self.replicas[r].leases
-        }
         if self.expert_breakers:
             self.expert_breakers.update(self._expert_load())
         shed: list[tuple[Waiting, Shed]] = []
@@ -303,6 +295,16 @@ class RouterCore:
                 self.queues.drop(w)
                 shed.append((w, self._shed(qos, reason, msg)))
         return shed
+
+    def _holder_of(self, request_id: str, hint: ReplicaId | None) -> Replica | None:
+        """The replica holding ``request_id``'s lease (``hint`` is looked at first)."""
+        first = self.replicas.get(hint) if hint is not None else None
+        if first is not None and request_id in first.leases:
+            return first
+        for r in self.replicas.values():
+            if request_id in r.leases:
+                return r
+        return None
 
     def _expert_load(self) -> list[float]:
         load = [0.0] * self._num_experts

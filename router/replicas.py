@@ -7,6 +7,7 @@ they are reconciled with, which is how a restarted router rebuilds its state.
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from router.breakers import ReplicaBreaker
@@ -82,7 +83,11 @@ class Replica:
         return self.running < limit
 
     def reconcile(
-        self, report: ReplicaReport, now: float, grace_s: float, released: set[str]
+        self,
+        report: ReplicaReport,
+        now: float,
+        grace_s: float,
+        released: Container[str],
     ) -> None:
         """Merges a report: reported requests update (or recreate) leases; a lease
         the replica has not shown for ``grace_s`` since dispatch is gone."""
