@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cluster.config import RouterConfig
-from router.admission import ClassQueues, Ewma, RateMeter, Waiting
+from router.admission import ClassQueues, Ewma, RateMeter, Waiting, percentiles
 from router.breakers import ExpertBreakers, ReplicaBreaker
 from router.policies import (
     ExpertAware,
@@ -344,18 +344,9 @@ class RouterCore:
                 for (q, why), n in self.counters.shed.items()
             },
             "ttft_estimate_s": self._ttft.value,
-            "ttft_ms": {q.name.lower(): _percentiles(self.served_ttft[q]) for q in QoS},
+            "ttft_ms": {
+                q.name.lower(): percentiles(self.served_ttft[q], 1e3) for q in QoS
+            },
             "dispatch_rate": self._freed.rate(now),
             "hot_experts": self.expert_breakers.hot() if self.expert_breakers else [],
         }
-
-
-def _percentiles(samples: deque[float]) -> dict[str, float] | None:
-    if not samples:
-        return None
-    xs = sorted(samples)
-    return {
-        "p50": xs[len(xs) // 2] * 1000,
-        "p99": xs[min(len(xs) - 1, int(len(xs) * 0.99))] * 1000,
-        "n": len(xs),
-    }

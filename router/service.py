@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from router.admission import Waiting
+from router.admission import Waiting, percentiles
 from router.core import RouterCore
 from router.types import (
     Outcome,
@@ -162,14 +162,6 @@ class RouterService:
             {"kind": t.kind, "key": t.key, "old": t.old, "new": t.new, "why": t.detail}
             for t in self.recent_transitions
         ]
-        lat = sorted(self.decision_s)
-        if lat:
-            snap["decision_us"] = {
-                "p50": lat[len(lat) // 2] * 1e6,
-                "p99": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e6,
-                "n": len(lat),
-            }
+        if self.decision_s:
+            snap["decision_us"] = percentiles(self.decision_s, 1e6)
         return snap
-
-
-__all__ = ["RouterService", "Shed"]
