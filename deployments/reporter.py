@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from router.admission import Ewma
 from router.types import KVEvent, ReplicaId, ReplicaReport, RequestProgress
 
 logger = logging.getLogger("moe_cluster.engine")
@@ -38,29 +39,26 @@ class Reporter:
         self._connect = connect  # returns the router actor handle (blocking)
         self._interval_s = interval_s
         self._handle: Any = None
-        self.tokens_per_s = 0.0
+        self._rate = Ewma(RATE_SMOOTHING, 0.0)  # tokens/s while busy
 
     async def run(self) -> None:
         import ray.exceptions
 
         loop = asyncio.get_running_loop()
-        last_t, last_tokens, epoch = loop.time(), self._tokens(), 0
+        last_t, last_tokens = loop.time(), self._tokens()
         while True:
             await asyncio.sleep(self._interval_s)
             now, tokens = loop.time(), self._tokens()
             running = self._progress()
             if running and tokens > last_tokens:
-                rate = (tokens - last_tokens) / (now - last_t)
-                a = RATE_SMOOTHING if self.tokens_per_s else 1.0
-                self.tokens_per_s += a * (rate - self.tokens_per_s)
-            last_t, last_tokens, epoch = now, tokens, epoch + 1
+                self._rate.add((tokens - last_tokens) / (now - last_t))
+            last_t, last_tokens = now, tokens
             full = self._resend_all
             report = ReplicaReport(
                 self._replica_id,
                 running,
-                self.tokens_per_s,
+                self._rate.value,
                 kv_events=self._kv_events(full),
-                epoch=epoch,
             )
             try:
                 if self._handle is None:

@@ -59,7 +59,3 @@ class RouterClient:
 
     def release(self, release: Release) -> None:
         self._handle.release.remote(release)
-
-    async def snapshot(self) -> dict[str, Any]:
-        snap: dict[str, Any] = await self._handle.snapshot.remote()
-        return snap

@@ -96,7 +96,6 @@ class ReplicaReport:
     tokens_per_s: float = 0.0  # generated tokens per second while busy (measured)
     kv_events: tuple[KVEvent, ...] = ()
     expert_load: tuple[float, ...] = ()  # measured tokens per routed expert, if any
-    epoch: int = 0  # the replica's report counter: KV events are deltas
 
 
 @dataclass(frozen=True, slots=True)
