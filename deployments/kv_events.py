@@ -9,16 +9,17 @@ keeps the replica's current block set to resend in full when asked.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from router.types import BlockHash, KVEvent
+from router.prefix import PrefixDirectory
+from router.types import BlockHash, KVEvent, ReplicaId
 
 logger = logging.getLogger("moe_cluster.engine")
 TOPIC = b"kv"
+_SELF = ReplicaId("self")
 
 
 def endpoint_for(replica_id: str) -> str:
@@ -72,22 +73,17 @@ class KVEventListener:
     def __init__(self, endpoint: str) -> None:
         self._endpoint = endpoint
         self._pending: list[KVEvent] = []
-        self._held: set[BlockHash] = set()
+        # What the engine holds: the router's own directory, for this one engine.
+        self._held = PrefixDirectory()
 
     def drain(self, full: bool = False) -> tuple[KVEvent, ...]:
         self._pending, pending = [], self._pending
         if full:
-            return (KVEvent("cleared"), KVEvent("stored", tuple(self._held)))
+            return (KVEvent("cleared"), KVEvent("stored", self._held.blocks(_SELF)))
         return tuple(pending)
 
     def apply(self, events: list[KVEvent]) -> None:
-        for ev in events:
-            if ev.kind == "stored":
-                self._held.update(ev.block_hashes)
-            elif ev.kind == "removed":
-                self._held.difference_update(ev.block_hashes)
-            else:
-                self._held.clear()
+        self._held.apply(_SELF, events)
         self._pending.extend(events)
 
     async def run(self) -> None:
@@ -107,7 +103,5 @@ class KVEventListener:
                     self.apply(convert(decoder.decode(payload)))
                 except Exception:
                     logger.exception("bad KV event batch")
-        except asyncio.CancelledError:
-            raise
         finally:
             sock.close(linger=0)

@@ -106,3 +106,6 @@ class PrefixDirectory:
 
     def num_blocks(self, replica: ReplicaId) -> int:
         return len(self._by_replica.get(replica, ()))
+
+    def blocks(self, replica: ReplicaId) -> tuple[BlockHash, ...]:
+        return tuple(self._by_replica.get(replica, ()))
