@@ -39,7 +39,7 @@ from typing import Any
 import httpx
 import psutil
 
-from deployments.bench.backends import OpenAIBackend
+from deployments.bench.backends import Backend, OpenAIBackend
 from deployments.bench.cli import text_prompts
 from deployments.bench.report import Slo, summarize
 from deployments.bench.runner import Limits, run_closed_loop, run_open_loop
@@ -163,19 +163,47 @@ class Server:
         self.log.close()
 
 
-async def closed(workload: Workload, concurrency: int, n: int, warmup: int = 2) -> Any:
-    backend = backend_for_peers()
+async def drive(
+    backend: Backend,
+    workload: Workload,
+    slo: Slo,
+    *,
+    concurrency: int | None = None,
+    n: int = 0,
+    warmup: int = 0,
+    duration_s: float | None = None,
+) -> dict[str, Any]:
+    """Runs ``workload`` on ``backend`` (then closes it) and summarizes: closed loop
+    at ``concurrency`` for ``n`` requests after ``warmup`` unrecorded ones, or open
+    loop for ``duration_s`` when no concurrency is given."""
     try:
-        if warmup:
-            await run_closed_loop(
-                backend, workload.requests(), concurrency, Limits(warmup)
+        if concurrency is None:
+            limits = Limits(duration_s=duration_s)
+            records, duration = await run_open_loop(
+                backend, workload.requests(), limits
             )
-        records, duration = await run_closed_loop(
-            backend, workload.requests(), concurrency, Limits(n)
-        )
+        else:
+            if warmup:
+                await run_closed_loop(
+                    backend, workload.requests(), concurrency, Limits(warmup)
+                )
+            records, duration = await run_closed_loop(
+                backend, workload.requests(), concurrency, Limits(n)
+            )
     finally:
         await backend.close()
-    return summarize(records, duration, REALTIME_SLO)
+    return summarize(records, duration, slo)
+
+
+async def closed(workload: Workload, concurrency: int, n: int, warmup: int = 2) -> Any:
+    return await drive(
+        backend_for_peers(),
+        workload,
+        REALTIME_SLO,
+        concurrency=concurrency,
+        n=n,
+        warmup=warmup,
+    )
 
 
 async def flood(background_rate: float, duration_s: float) -> Any:
@@ -189,14 +217,9 @@ async def flood(background_rate: float, duration_s: float) -> Any:
         output_len=FLOOD_SHAPE.output_len,
     )
     workload = Workload((realtime, background), seed=2)
-    backend = backend_for_peers()
-    try:
-        records, duration = await run_open_loop(
-            backend, workload.requests(), Limits(duration_s=duration_s)
-        )
-    finally:
-        await backend.close()
-    return summarize(records, duration, REALTIME_SLO)
+    return await drive(
+        backend_for_peers(), workload, REALTIME_SLO, duration_s=duration_s
+    )
 
 
 def run_peer(peer: Peer, capacity: dict[str, float], logs: Path) -> dict[str, Any]:

@@ -24,10 +24,9 @@ import time
 from typing import Any
 
 from deployments.bench.backends import GrpcBackend
-from deployments.bench.report import Slo, summarize
-from deployments.bench.runner import Limits, run_closed_loop, run_open_loop
+from deployments.bench.report import Slo
 from deployments.bench.workload import ClassSpec, LengthRange, Workload
-from tests.perf.compare_peers import PORT, RESULTS, Peer, Server, _module
+from tests.perf.compare_peers import PORT, RESULTS, Peer, Server, _module, drive
 
 TARGET = f"127.0.0.1:{PORT + 1}"
 SLO = Slo(ttft_ms=1000)
@@ -49,25 +48,13 @@ MODES = (
 
 
 async def _open(workload: Workload, duration_s: float) -> dict[str, Any]:
-    backend = GrpcBackend(TARGET)
-    try:
-        records, duration = await run_open_loop(
-            backend, workload.requests(), Limits(duration_s=duration_s)
-        )
-    finally:
-        await backend.close()
-    return summarize(records, duration, SLO)
+    return await drive(GrpcBackend(TARGET), workload, SLO, duration_s=duration_s)
 
 
 async def _capacity() -> float:
-    backend = GrpcBackend(TARGET)
     w = Workload((BACKGROUND,), seed=4)
-    try:
-        await run_closed_loop(backend, w.requests(), 8, Limits(8))
-        records, duration = await run_closed_loop(backend, w.requests(), 32, Limits(96))
-    finally:
-        await backend.close()
-    rate: float = summarize(records, duration, SLO)["all"]["request_rate"]
+    summary = await drive(GrpcBackend(TARGET), w, SLO, concurrency=32, n=96, warmup=8)
+    rate: float = summary["all"]["request_rate"]
     return rate
 
 
