@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ray import serve
@@ -96,6 +97,12 @@ def sampling_params(s: Sampling) -> Any:
     )
 
 
+@dataclass(slots=True)
+class _Running:
+    request: EngineRequest
+    output_tokens: int = 0
+
+
 class VLLMEngine:
     """Streams ``EngineEvent``s for ``EngineRequest``s from one ``AsyncLLM``.
 
@@ -115,7 +122,7 @@ class VLLMEngine:
         self.replica_id = replica_id
         self._stream_interval_s = stream_interval_s
         self._background_interval_s = background_stream_interval_s
-        self._running: dict[str, list[int]] = {}  # id -> [prompt, output, max, qos]
+        self._running: dict[str, _Running] = {}
         self.tokens_generated = 0
 
     @classmethod
@@ -142,13 +149,7 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         rid = request.request_id
-        progress = [
-            len(request.prompt_token_ids),
-            0,
-            request.sampling.max_tokens,
-            int(request.qos),
-        ]
-        self._running[rid] = progress
+        running = self._running[rid] = _Running(request)
         completion = 0
         finished = False
         try:
@@ -171,7 +172,7 @@ class VLLMEngine:
             async for out in outputs:
                 seq = out.outputs[0]
                 completion += len(seq.token_ids)
-                progress[1] = completion
+                running.output_tokens = completion
                 self.tokens_generated += len(seq.token_ids)
                 delta = batcher.add(list(seq.token_ids), seq.text, clock())
                 if delta is not None:
@@ -210,8 +211,14 @@ class VLLMEngine:
 
     def progress(self) -> tuple[RequestProgress, ...]:
         return tuple(
-            RequestProgress(rid, p, out, mx, QoS(q))
-            for rid, (p, out, mx, q) in self._running.items()
+            RequestProgress(
+                rid,
+                len(r.request.prompt_token_ids),
+                r.output_tokens,
+                r.request.sampling.max_tokens,
+                r.request.qos,
+            )
+            for rid, r in self._running.items()
         )
 
     def shutdown(self) -> None:
