@@ -235,6 +235,53 @@ class ServerConfig(_Strict):
     app_name: str = Field("moe-cluster", min_length=1, description="Serve app name.")
 
 
+class WarmupPrompt(_Strict):
+    """A prompt a new replica runs before it takes traffic (e.g. a system prompt)."""
+
+    text: str = Field(min_length=1, description="Prompt text (tokenized as sent).")
+    tenant: str = Field("", description="Tenant whose pages these are ('' = none).")
+
+
+class KVStoreConfig(_Strict):
+    """The shared paged KV store: one page arena per node, shared by its engines."""
+
+    enabled: bool = Field(
+        True,
+        description="Engines load prompt prefixes other replicas computed from the "
+        "node's page store and save the full blocks they compute into it.",
+    )
+    capacity_bytes: int = Field(
+        1 << 30,
+        gt=0,
+        description="Hard bound on the node's page arena (shared memory); least "
+        "recently used pages are evicted beyond it.",
+    )
+    fetch: bool = Field(
+        True,
+        description="On a miss, fetch the pages another node holds instead of "
+        "recomputing them.",
+    )
+    fetch_timeout_s: float = Field(
+        2.0, gt=0, description="A fetch from another node slower than this is dropped."
+    )
+    sync_interval_s: float = Field(
+        0.5, gt=0, description="How often a node publishes its pages to the directory."
+    )
+    warmup_hot_prefixes: int = Field(
+        8,
+        ge=0,
+        description="A starting replica first runs this many of the cluster's most "
+        "reused prefixes (loading their pages) before it takes traffic.",
+    )
+    warmup_prompts: list[WarmupPrompt] = Field(
+        default_factory=list,
+        description="Prompts a starting replica runs before it takes traffic.",
+    )
+    warmup_timeout_s: float = Field(
+        120.0, gt=0, description="Warmup longer than this is cut short (logged)."
+    )
+
+
 class ClusterConfig(_Strict):
     """Everything `moe-cluster serve` needs."""
 
@@ -243,6 +290,7 @@ class ClusterConfig(_Strict):
     deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
+    kvstore: KVStoreConfig = Field(default_factory=KVStoreConfig)
 
     @model_validator(mode="after")
     def _ports_differ(self) -> ClusterConfig:

@@ -27,6 +27,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from deployments.app import deploy, prepare_model
     from router import actor as router_actor
+    from kvstore import actor as kv_actor
 
     config = prepare_model(_config(args.config))
     started = time.monotonic()
@@ -56,6 +57,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # workers instead would orphan vLLM's engine processes.
     serve.shutdown()
     router_actor.kill(config.server.app_name)
+    kv_actor.kill(config.server.app_name)  # the nodes' page arenas go with it
     ray.shutdown()
     return 0
 

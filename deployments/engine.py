@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -54,12 +56,24 @@ def engine_args(
     served_name: str,
     config: EngineConfig,
     kv_events_endpoint: str | None = None,
+    kv_store_socket: str | None = None,
 ) -> Any:
+    from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     events = None
     if kv_events_endpoint is not None and config.enable_prefix_caching:
         events = kv_events.events_config(kv_events_endpoint)
+    transfer = None
+    if kv_store_socket is not None:
+        transfer = KVTransferConfig(
+            kv_connector="PageStoreConnector",
+            kv_connector_module_path="kvstore.connector",
+            kv_role="kv_both",
+            # A page that fails its checksum is recomputed, never served.
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"socket": kv_store_socket},
+        )
 
     return AsyncEngineArgs(
         model=model_path,
@@ -76,6 +90,7 @@ def engine_args(
         scheduling_policy="priority",
         disable_log_stats=True,
         kv_events_config=events,
+        kv_transfer_config=transfer,
     )
 
 
@@ -127,7 +142,11 @@ class VLLMEngine:
 
     @classmethod
     def start(
-        cls, config: ClusterConfig, replica_id: str, kv_events_endpoint: str | None
+        cls,
+        config: ClusterConfig,
+        replica_id: str,
+        kv_events_endpoint: str | None,
+        kv_store_socket: str | None = None,
     ) -> VLLMEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -137,6 +156,7 @@ class VLLMEngine:
             config.model.served_name,
             config.engine,
             kv_events_endpoint,
+            kv_store_socket,
         )
         return cls(
             AsyncLLM.from_engine_args(args),
@@ -197,6 +217,30 @@ class VLLMEngine:
     async def abort(self, request_id: str) -> None:
         await self._engine.abort(request_id)
 
+    async def prefill(
+        self, tokens: list[int] | None = None, text: str = "", tenant: str = ""
+    ) -> int:
+        """Runs a prompt for one token so its pages are loaded (or computed and
+        saved); returns how many of its tokens came from cache."""
+        from vllm import SamplingParams
+        from vllm.inputs import TextPrompt, TokensPrompt
+
+        prompt: Any = (
+            TokensPrompt(prompt_token_ids=tokens) if tokens else TextPrompt(prompt=text)
+        )
+        if tenant:
+            prompt["cache_salt"] = tenant
+        cached = 0
+        async for out in self._engine.generate(
+            prompt,
+            SamplingParams(max_tokens=1),
+            f"warmup-{uuid.uuid4().hex}",
+            priority=int(QoS.BACKGROUND),
+        ):
+            if out.finished:
+                cached = out.num_cached_tokens or 0
+        return cached
+
     async def check_health(self) -> None:
         """Raises when the engine core is dead."""
         await self._engine.check_health()
@@ -234,17 +278,27 @@ def _finish_reason(reason: str | None) -> Any:
 class EngineDeployment:
     """Ray Serve shell of one ``VLLMEngine``; Serve restarts it when unhealthy."""
 
-    def __init__(self, config: ClusterConfig) -> None:
+    async def __init__(self, config: ClusterConfig) -> None:  # type: ignore[misc]
         replica_id = serve.get_replica_context().replica_id.unique_id
         router_on = config.router.enabled
         endpoint = kv_events.endpoint_for(replica_id) if router_on else None
         self._kv_endpoint = endpoint
-        self._engine = VLLMEngine.start(config, replica_id, endpoint)
         self._tasks: list[asyncio.Task[None]] = []
+        store, socket = None, None
+        if config.kvstore.enabled:
+            store, socket = await _node_store(config)
+        self._engine = VLLMEngine.start(config, replica_id, endpoint, socket)
+        loop = asyncio.get_running_loop()
+        listener = kv_events.KVEventListener(endpoint)
+        if store is not None:
+            self._tasks.append(
+                loop.create_task(
+                    _follow_store(store, listener, config.router.report_interval_s)
+                )
+            )
         if endpoint is not None:
             from router import actor
 
-            listener = kv_events.KVEventListener(endpoint)
             reporter = Reporter(
                 replica_id,
                 progress=self._engine.progress,
@@ -255,12 +309,49 @@ class EngineDeployment:
                 ),
                 interval_s=config.router.report_interval_s,
             )
-            loop = asyncio.get_running_loop()
             self._tasks += [
                 loop.create_task(listener.run()),
                 loop.create_task(reporter.run()),
             ]
+        if config.kvstore.enabled:
+            await self._warmup(config)
         logger.info("engine replica %s ready", replica_id)
+
+    async def _warmup(self, config: ClusterConfig) -> None:
+        """Runs the configured warmup prompts and the cluster's hottest prefixes,
+        so their pages are on this node and the engine has run, before traffic."""
+        from kvstore import actor as kv_actor
+
+        kv = config.kvstore
+        jobs = [
+            self._engine.prefill(text=p.text, tenant=p.tenant)
+            for p in kv.warmup_prompts
+        ]
+        if kv.warmup_hot_prefixes:
+            d = kv_actor.directory(config.server.app_name)
+            hot = await d.hottest.remote(kv.warmup_hot_prefixes)
+            jobs += [
+                self._engine.prefill(list(tokens), tenant=salt) for salt, tokens in hot
+            ]
+        if not jobs:
+            return
+        t = time.monotonic()
+        try:
+            cached = await asyncio.wait_for(asyncio.gather(*jobs), kv.warmup_timeout_s)
+        except TimeoutError:
+            logger.warning("warmup cut short after %.0f s", kv.warmup_timeout_s)
+            return
+        logger.info(
+            "warmed %d prefixes (%d tokens from the page store) in %.2f s",
+            len(jobs),
+            sum(cached),
+            time.monotonic() - t,
+        )
+
+    async def prefill(self, tokens: list[int], tenant: str = "") -> int:
+        """Runs a prompt for one token (its pages are loaded or computed and
+        saved); returns the tokens that came from cache."""
+        return await self._engine.prefill(tokens, tenant=tenant)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -295,3 +386,50 @@ class EngineDeployment:
         endpoint = getattr(self, "_kv_endpoint", None)
         if endpoint is not None:
             kv_events.remove_endpoint(endpoint)
+
+
+async def _node_store(config: ClusterConfig) -> tuple[Any, str]:
+    """This node's page store (started if it is not running) and its socket."""
+    import ray
+
+    from kvstore import actor as kv_actor
+
+    kv = config.kvstore
+    store = kv_actor.get_or_create_store(
+        config.server.app_name,
+        ray.get_runtime_context().get_node_id(),
+        kv.capacity_bytes,
+        kv.sync_interval_s,
+        kv.fetch_timeout_s,
+    )
+    return store, await store.start.remote()
+
+
+async def _follow_store(
+    store: Any, listener: kv_events.KVEventListener, interval_s: float
+) -> None:
+    """Feeds the node store's page changes to the router reports: a replica can
+    serve from cache whatever its node's store holds."""
+    from router.types import BlockHash, KVEvent
+
+    incarnation, seq = "", -1
+    while True:
+        try:
+            inc, changes = await store.changes.remote(incarnation, seq)
+            if changes.full:
+                listener.apply([KVEvent("cleared")], kv_events.STORE)
+            events = []
+            if changes.added:
+                events.append(
+                    KVEvent("stored", tuple(BlockHash(h) for h in changes.added))
+                )
+            if changes.removed:
+                events.append(
+                    KVEvent("removed", tuple(BlockHash(h) for h in changes.removed))
+                )
+            listener.apply(events, kv_events.STORE)
+            incarnation, seq = inc, changes.seq
+        except Exception as e:  # the store restarting: resync next time
+            logger.warning("following the node's page store failed: %s", e)
+            incarnation, seq = "", -1
+        await asyncio.sleep(interval_s)

@@ -20,6 +20,7 @@ from router.types import BlockHash, KVEvent, ReplicaId
 logger = logging.getLogger("moe_cluster.engine")
 TOPIC = b"kv"
 _SELF = ReplicaId("self")
+STORE = ReplicaId("node-store")
 
 
 def endpoint_for(replica_id: str) -> str:
@@ -68,25 +69,44 @@ def convert(batch: Any) -> list[KVEvent]:
 
 class KVEventListener:
     """Subscribes to one engine's KV events; ``drain`` returns what changed since
-    the last call, or everything the engine holds when ``full`` is asked."""
+    the last call, or everything the replica can serve from cache when ``full`` is
+    asked.
 
-    def __init__(self, endpoint: str) -> None:
+    A replica serves a block from cache when its engine holds it or its node's
+    page store does: ``apply`` takes changes from either ``source`` and reports the
+    union (a block is removed only when neither holds it any more).
+    """
+
+    def __init__(self, endpoint: str | None) -> None:
         self._endpoint = endpoint
         self._pending: list[KVEvent] = []
-        # What the engine holds: the router's own directory, for this one engine.
+        # Who holds what: the router's own directory, one entry per source.
         self._held = PrefixDirectory()
 
     def drain(self, full: bool = False) -> tuple[KVEvent, ...]:
         self._pending, pending = [], self._pending
         if full:
-            return (KVEvent("cleared"), KVEvent("stored", self._held.blocks(_SELF)))
+            union = {h for s in (_SELF, STORE) for h in self._held.blocks(s)}
+            return (KVEvent("cleared"), KVEvent("stored", tuple(union)))
         return tuple(pending)
 
-    def apply(self, events: list[KVEvent]) -> None:
-        self._held.apply(_SELF, events)
-        self._pending.extend(events)
+    def apply(self, events: list[KVEvent], source: ReplicaId = _SELF) -> None:
+        for ev in events:
+            touched = (
+                self._held.blocks(source) if ev.kind == "cleared" else ev.block_hashes
+            )
+            before = {h: self._held.held(h) for h in touched}
+            self._held.apply(source, [ev])
+            gained = tuple(h for h in touched if not before[h] and self._held.held(h))
+            lost = tuple(h for h in touched if before[h] and not self._held.held(h))
+            if gained:
+                self._pending.append(KVEvent("stored", gained))
+            if lost:
+                self._pending.append(KVEvent("removed", lost))
 
     async def run(self) -> None:
+        if self._endpoint is None:
+            return
         import msgspec
         import zmq
         import zmq.asyncio

@@ -58,6 +58,10 @@ class Arena:
         view: Bytes = self._pages[index]
         return view
 
+    def pages(self) -> Bytes:
+        """Every page in place, one row each (a view)."""
+        return self._pages
+
     def write(self, index: int, data: Bytes) -> int:
         """Copies ``data`` (exactly one page) into the page; returns its checksum."""
         flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
@@ -65,14 +69,14 @@ class Arena:
             raise ValueError(f"a page is {self.page_bytes} bytes, got {flat.nbytes}")
         dst = self._pages[index]
         np.copyto(dst, flat)
-        return _crc(dst)
+        return checksum(dst)
 
-    def read_into(self, index: int, out: Bytes, checksum: int) -> None:
+    def read_into(self, index: int, out: Bytes, expected: int) -> None:
         """Copies the page into ``out`` (one page of contiguous bytes) and checks
         what arrived there: a corrupt page raises and must not be used."""
         dst: Bytes = out.reshape(-1).view(np.uint8)
         np.copyto(dst, self._pages[index])
-        if _crc(dst) != checksum:
+        if checksum(dst) != expected:
             raise CorruptPage(f"page {index} failed its checksum")
 
     def close(self) -> None:
@@ -82,6 +86,7 @@ class Arena:
             self._shm.unlink()
 
 
-def _crc(page: Bytes) -> int:
+def checksum(page: Bytes) -> int:
+    """xxh3 of a page's bytes, read in place."""
     # xxh3: ~10x zlib.crc32 here, so checking a page costs less than copying it.
     return xxhash.xxh3_64_intdigest(page.data)  # the array's own buffer: no copy

@@ -11,7 +11,7 @@ never finds a half-written page; a pinned page is never evicted or reused.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NewType
 
@@ -29,7 +29,11 @@ class PageIndex:
     """Invariant: every slot is exactly one of free, pending (allocated, not yet
     committed) or committed; committed slots are in ``_lru`` oldest first."""
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        on_remove: Callable[[PageHash], None] = lambda h: None,
+    ) -> None:
         if num_pages <= 0:
             raise ValueError("num_pages must be > 0")
         self.num_pages = num_pages
@@ -39,6 +43,7 @@ class PageIndex:
         self._lru: OrderedDict[PageHash, None] = OrderedDict()
         self._pins: dict[int, int] = {}
         self._orphans: set[int] = set()  # dropped while pinned: freed at unpin
+        self._on_remove = on_remove  # told of every committed page that goes
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -109,6 +114,7 @@ class PageIndex:
         if ref is None:
             return False
         del self._lru[h]
+        self._on_remove(h)
         if ref.index not in self._pins:
             self._free.append(ref.index)
         else:
@@ -123,8 +129,12 @@ class PageIndex:
                 del self._by_hash[h]
                 self._free.append(ref.index)
                 self.evictions += 1
+                self._on_remove(h)
                 return True
         return False
+
+    def is_pinned(self, index: int) -> bool:
+        return index in self._pins
 
     def hashes(self) -> list[PageHash]:
         """Committed page hashes, least recently used first."""

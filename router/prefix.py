@@ -104,6 +104,10 @@ class PrefixDirectory:
             n += 1
         return n
 
+    def held(self, h: BlockHash) -> bool:
+        """Whether any replica holds ``h``."""
+        return h in self._holders
+
     def num_blocks(self, replica: ReplicaId) -> int:
         return len(self._by_replica.get(replica, ()))
 

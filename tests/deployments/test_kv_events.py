@@ -9,12 +9,13 @@ from typing import Any
 
 import pytest
 
-from deployments.kv_events import KVEventListener, convert, remove_endpoint
+from deployments.kv_events import STORE, KVEventListener, convert, remove_endpoint
 from deployments.reporter import Reporter
 from router.prefix import PrefixDirectory, block_hashes
 from router.types import KVEvent, ReplicaId, ReplicaReport
 
 H = block_hashes(list(range(64)), 16)  # 4 chained block hashes
+PROBE = block_hashes(list(range(100, 116)), 16)[0]
 
 
 def _batch(*events: Any) -> Any:
@@ -56,17 +57,20 @@ async def test_events_published_by_vllm_reach_the_directory(tmp_path: Path) -> N
         deadline = time.monotonic() + 10
         while not listener.drain():
             assert time.monotonic() < deadline, "no KV events received"
-            publisher.publish(_batch(AllBlocksCleared()))
+            publisher.publish(_batch(_stored([PROBE])))
             await asyncio.sleep(0.05)
+        publisher.publish(_batch(AllBlocksCleared()))
         publisher.publish(_batch(_stored(H[:3])))
         publisher.publish(_batch(BlockRemoved(block_hashes=[H[2]], medium="GPU")))
         publisher.publish(_batch(_stored(H[3:]), _stored(H[2:3])))
         got: list[KVEvent] = []
-        while len(got) < 4:
+        while len(got) < 5:
             assert time.monotonic() < deadline
             got += listener.drain()
             await asyncio.sleep(0.02)
-        assert [e.kind for e in got] == ["stored", "removed", "stored", "stored"]
+        # The engine's "cleared" reaches the router as the removal of what it held.
+        assert got[0] == KVEvent("removed", (PROBE,))
+        assert [e.kind for e in got[1:]] == ["stored", "removed", "stored", "stored"]
         directory.apply(r, got)
         assert directory.cached_blocks(r, H) == 4
         full = listener.drain(full=True)
@@ -146,3 +150,19 @@ async def test_reporter_resends_all_blocks_to_a_new_router() -> None:
         assert router.reports[n + 1].kv_events == ()
     finally:
         task.cancel()
+
+
+def test_a_block_stays_cached_while_the_engine_or_the_node_store_holds_it() -> None:
+    listener = KVEventListener(None)
+    listener.apply([KVEvent("stored", (H[0], H[1]))])  # the engine's own cache
+    listener.apply([KVEvent("stored", (H[1], H[2]))], source=STORE)
+    assert listener.drain() == (
+        KVEvent("stored", (H[0], H[1])),
+        KVEvent("stored", (H[2],)),
+    )
+    listener.apply([KVEvent("cleared")])  # the engine drops its cache
+    assert listener.drain() == (KVEvent("removed", (H[0],)),)  # H1 is in the store
+    listener.apply([KVEvent("removed", (H[1],))], source=STORE)
+    assert listener.drain() == (KVEvent("removed", (H[1],)),)
+    full = listener.drain(full=True)
+    assert full == (KVEvent("cleared"), KVEvent("stored", (H[2],)))

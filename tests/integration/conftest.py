@@ -83,6 +83,12 @@ def served(tiny_model: Path) -> Iterator[Served]:
                     "breaker_open_s": 3,
                     "report_interval_s": 0.25,
                 },
+                "kvstore": {
+                    # 200 pages of the tiny model (147 KiB each): the eviction
+                    # test can fill it.
+                    "capacity_bytes": 200 * 147456,
+                    "sync_interval_s": 0.25,
+                },
                 "server": {
                     "http_port": _free_port(),
                     "grpc_port": _free_port(),
@@ -110,6 +116,9 @@ def served(tiny_model: Path) -> Iterator[Served]:
         f"http://127.0.0.1:{metrics_port}/metrics",
     )
     serve.shutdown()
+    from kvstore import actor as kv_actor
+
+    kv_actor.kill(config.server.app_name)  # unlinks the arenas
     ray.shutdown()
 
 

@@ -1,0 +1,295 @@
+"""The page store of each node and the cluster's page directory, as Ray actors.
+
+- ``NodeStoreActor``: one per node (pinned to it), detached so pages outlive the
+  engine replicas that wrote them. It owns the node's shared-memory arena and serves
+  the engines on the node over a Unix socket (``rpc``). Every ``sync_interval_s`` it
+  publishes its page changes and hot prefixes to the directory and mirrors the
+  directory back. On a local miss that another node can serve, it fetches the pages
+  from that node's store (through Ray's object store: one copy out of the remote
+  arena, zero-copy into this process, one copy into the local arena) while the
+  engine's request waits a step or two.
+- ``KVDirectoryActor``: one per application, soft state; after a restart the stores'
+  next syncs rebuild it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import ray
+
+from kvstore.directory import Directory, Entry, NodeId
+from kvstore.node_store import Changes, HotKey, NodeStore
+from kvstore.page_store import PageHash
+from kvstore.rpc import StoreServer
+
+logger = logging.getLogger("moe_cluster.kvstore")
+NAMESPACE = "moe-cluster"
+
+
+def directory_name(app: str) -> str:
+    return f"{app}-kv-directory"
+
+
+def store_name(app: str, node_id: NodeId) -> str:
+    return f"{app}-kv-{node_id[:16]}"
+
+
+def socket_path(app: str, node_id: NodeId) -> str:
+    return f"/tmp/moe-cluster-kv-{app}-{node_id[:16]}.sock"
+
+
+class KVDirectoryActor:
+    def __init__(self) -> None:
+        self.incarnation = uuid.uuid4().hex
+        self.directory = Directory()
+
+    def cursor(self, node: NodeId, incarnation: str) -> int:
+        return self.directory.cursor(node, incarnation)
+
+    def publish(
+        self,
+        node: NodeId,
+        incarnation: str,
+        changes: Changes[PageHash],
+        hot: list[tuple[HotKey, int]],
+    ) -> None:
+        self.directory.publish(node, incarnation, changes)
+        self.directory.set_hot(node, hot)
+
+    def changes(self, incarnation: str, since: int) -> tuple[str, Changes[Entry]]:
+        if incarnation != self.incarnation:
+            since = -1
+        return self.incarnation, self.directory.log.since(since)
+
+    def hottest(self, n: int) -> list[HotKey]:
+        return self.directory.hottest(n)
+
+    def nodes(self) -> list[NodeId]:
+        return self.directory.nodes()
+
+    def summary(self) -> dict[str, int]:
+        return self.directory.summary()
+
+    def forget(self, node: NodeId) -> None:
+        self.directory.forget(node)
+
+
+class NodeStoreActor:
+    def __init__(
+        self,
+        app: str,
+        node_id: NodeId,
+        capacity_bytes: int,
+        sync_interval_s: float = 0.5,
+        fetch_timeout_s: float = 2.0,
+    ) -> None:
+        self.app, self.node_id = app, node_id
+        self.incarnation = uuid.uuid4().hex
+        arena = f"moe-kv-{node_id[:12]}-{self.incarnation[:8]}"
+        self.store = NodeStore(arena, capacity_bytes)
+        self.mirror = Directory()  # the cluster's directory as last synced
+        self._mirror_from = ("", -1)  # directory incarnation, seq
+        self.server = StoreServer(
+            self.store, socket_path(app, node_id), on_miss=self._on_miss
+        )
+        self._sync_s, self._fetch_timeout_s = sync_interval_s, fetch_timeout_s
+        self._fetching: dict[PageHash, asyncio.Task[int]] = {}
+        self._settled: dict[PageHash, float] = {}  # fetch ended: don't retry at once
+        self._started = False
+        self._directory: Any = None
+
+    async def start(self) -> str:
+        """Serves the node's engines; returns the socket they connect to."""
+        if not self._started:
+            self._started = True
+            await self.server.start()
+            asyncio.get_running_loop().create_task(self._sync_loop())
+        return self.server.path
+
+    # -- directory sync ----------------------------------------------------------
+
+    async def _sync_loop(self) -> None:
+        while True:
+            try:
+                await self.sync()
+            except Exception as e:  # the directory restarting: try again next time
+                logger.warning("kv directory sync failed: %s", e)
+            await asyncio.sleep(self._sync_s)
+
+    async def sync(self) -> None:
+        """Publishes this node's changes and mirrors the directory (once)."""
+        if self._directory is None:
+            self._directory = directory(self.app)
+        d = self._directory
+        since = await d.cursor.remote(self.node_id, self.incarnation)
+        if self.store.index is not None:
+            await d.publish.remote(
+                self.node_id,
+                self.incarnation,
+                self.store.changes(since),
+                self.store.hot.top(32),
+            )
+        inc, changes = await d.changes.remote(*self._mirror_from)
+        self.mirror.follow(changes)
+        self._mirror_from = (inc, changes.seq)
+
+    # -- fetching from other nodes -----------------------------------------------
+
+    def _on_miss(self, hashes: Sequence[PageHash], first_missing: int) -> bool:
+        key = hashes[first_missing]
+        if key in self._fetching:
+            return True
+        settled = self._settled.get(key)
+        if settled is not None and time.monotonic() - settled < 5.0:
+            return False  # just fetched (or failed): answer from what is here
+        found = self.mirror.locate(hashes[first_missing:], exclude=self.node_id)
+        if found is None or self.store.arena is None:
+            return False
+        node, n = found
+        task = asyncio.get_running_loop().create_task(
+            self._fetch(node, list(hashes[first_missing : first_missing + n]))
+        )
+        self._fetching[key] = task
+        task.add_done_callback(lambda _: self._fetch_done(key))
+        return True
+
+    def _fetch_done(self, key: PageHash) -> None:
+        self._fetching.pop(key, None)
+        self._settled[key] = time.monotonic()
+        if len(self._settled) > 4096:
+            cutoff = time.monotonic() - 5.0
+            self._settled = {k: t for k, t in self._settled.items() if t > cutoff}
+
+    async def _fetch(self, node: NodeId, hashes: list[PageHash]) -> int:
+        try:
+            remote = ray.get_actor(store_name(self.app, node), namespace=NAMESPACE)
+            got: list[PageHash]
+            pages: np.ndarray
+            got, pages = await asyncio.wait_for(
+                remote.export.remote(hashes), self._fetch_timeout_s
+            )
+            n = self.store.import_pages(got, pages)
+            logger.info("fetched %d pages from node %s", n, node[:12])
+            return n
+        except Exception as e:
+            logger.warning("fetching %d pages from %s failed: %s", len(hashes), node, e)
+            return 0
+
+    async def pull(self, hashes: list[PageHash]) -> int:
+        """Makes the longest prefix of ``hashes`` local (fetching what another node
+        holds); returns how many pages of it are here now."""
+        have = len(self.store.index.lookup(hashes)) if self.store.index else 0
+        if have < len(hashes):
+            await self.sync()
+            found = self.mirror.locate(hashes[have:], exclude=self.node_id)
+            if found is not None and self.store.arena is not None:
+                await self._fetch(found[0], hashes[have : have + found[1]])
+                have = len(self.store.index.lookup(hashes)) if self.store.index else 0
+        return have
+
+    # -- what other nodes and operators call ------------------------------------
+
+    def export(self, hashes: list[PageHash]) -> tuple[list[PageHash], np.ndarray]:
+        return self.store.export(hashes)
+
+    def summary(self) -> dict[str, Any]:
+        return {"node": self.node_id, **self.store.summary()}
+
+    def page_hashes(self) -> list[PageHash]:
+        return self.store.page_hashes()
+
+    def changes(self, incarnation: str, since: int) -> tuple[str, Changes[PageHash]]:
+        """Page changes after ``since`` of the store ``incarnation`` (everything,
+        when that is not this one)."""
+        if incarnation != self.incarnation:
+            since = -1
+        return self.incarnation, self.store.changes(since)
+
+    def corrupt(self, h: PageHash) -> bool:
+        """Flips a byte of a stored page (tests and drills: the checksum must catch
+        it and the page be recomputed)."""
+        index, arena = self.store.index, self.store.arena
+        refs = index.lookup([h]) if index else []
+        if not refs or arena is None:
+            return False
+        page = arena.page(refs[0].index)
+        page[len(page) // 2] ^= 0xFF
+        return True
+
+    async def shutdown(self) -> None:
+        await self.server.stop()
+        self.store.close()
+
+
+def directory(app: str) -> Any:
+    return (
+        ray.remote(KVDirectoryActor)
+        .options(
+            name=directory_name(app),
+            namespace=NAMESPACE,
+            get_if_exists=True,
+            lifetime="detached",
+            max_restarts=-1,
+            max_task_retries=-1,
+            num_cpus=0,
+        )
+        .remote()
+    )
+
+
+def get_or_create_store(
+    app: str,
+    node_id: NodeId,
+    capacity_bytes: int,
+    sync_interval_s: float = 0.5,
+    fetch_timeout_s: float = 2.0,
+) -> Any:
+    """The node's store actor (created on that node if missing), started."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    handle = (
+        ray.remote(NodeStoreActor)
+        .options(
+            name=store_name(app, node_id),
+            namespace=NAMESPACE,
+            get_if_exists=True,
+            lifetime="detached",
+            num_cpus=0,
+            max_concurrency=1000,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        )
+        .remote(app, node_id, capacity_bytes, sync_interval_s, fetch_timeout_s)
+    )
+    directory(app)
+    return handle
+
+
+def stores(app: str) -> dict[NodeId, Any]:
+    """Every live node store of ``app``, by node."""
+    out = {}
+    for node in ray.nodes():  # type: ignore[no-untyped-call]
+        if node.get("Alive"):
+            with contextlib.suppress(ValueError):
+                out[node["NodeID"]] = ray.get_actor(
+                    store_name(app, node["NodeID"]), namespace=NAMESPACE
+                )
+    return out
+
+
+def kill(app: str) -> None:
+    """Stops the app's stores (their arenas go with them) and its directory."""
+    for handle in stores(app).values():
+        with contextlib.suppress(Exception):
+            ray.get(handle.shutdown.remote(), timeout=10)
+        with contextlib.suppress(Exception):
+            ray.kill(handle, no_restart=True)
+    with contextlib.suppress(ValueError):
+        ray.kill(ray.get_actor(directory_name(app), namespace=NAMESPACE))

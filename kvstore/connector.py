@@ -1,0 +1,370 @@
+"""vLLM KV connector onto the node's page store (vLLM itself stays unmodified).
+
+Loaded by vLLM from ``kv_transfer_config``::
+
+    KVTransferConfig(kv_connector="PageStoreConnector",
+                     kv_connector_module_path="kvstore.connector",
+                     kv_role="kv_both", kv_load_failure_policy="recompute",
+                     kv_connector_extra_config={"socket": <node store socket>})
+
+A page is one KV block of every layer, ``[layer 0 block | layer 1 block | ...]`` in
+the engine's own cache layout, named by vLLM's own chained block hash (the tenant's
+``cache_salt`` is in the first block's hash, so tenants never share pages).
+
+Scheduler side (engine-core process):
+    ``get_num_new_matched_tokens`` asks the store for the longest stored prefix of the
+    prompt's full blocks (always leaving one prompt token to compute) and pins those
+    pages under the request's id. When another node holds more of the prefix, the
+    store starts fetching it and the request waits a step or two (``None``) instead
+    of recomputing. ``build_connector_meta`` lists, per step, the pages to load into
+    the blocks just allocated and the blocks that this step completes, to save.
+
+Worker side (model-runner process), with the arena mapped:
+    ``start_load_kv`` checks each page's checksum in place and copies it into the
+    request's blocks before the forward pass; a page that fails is dropped from the
+    store and its blocks (and every later one of the request) are reported to vLLM,
+    which recomputes them. ``wait_for_save`` copies the blocks completed this step
+    into reserved pages; a background thread checksums and publishes them, so the
+    step waits only for the copy. On CUDA the arena is registered as pinned memory
+    and both copies run on a side stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvstore.arena import Arena, checksum
+from kvstore.rpc import StoreClient, StoreError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("moe_cluster.kvstore")
+
+
+@dataclass
+class StoreMetadata(KVConnectorMetadata):
+    # request id -> [(slot, checksum, page hash, block id)] to copy in before the step
+    loads: dict[str, list[tuple[int, int, bytes, int]]] = field(default_factory=dict)
+    # [(page hash, block id)] of blocks this step completes
+    saves: list[tuple[bytes, int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    name: str
+    cache: torch.Tensor
+    block_dim: int  # which dimension indexes blocks
+    offset: int  # bytes into the page
+    nbytes: int
+
+    def block(self, block_id: int) -> torch.Tensor:
+        return self.cache.select(self.block_dim, block_id)
+
+
+class PageStoreConnector(KVConnectorBase_V1):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self._client = StoreClient(str(extra["socket"]))
+        self._fetch = bool(extra.get("fetch", True))
+        self._block_size = vllm_config.cache_config.block_size
+        self._num_blocks = kv_cache_config.num_blocks if kv_cache_config else 0
+        if vllm_config.parallel_config.tensor_parallel_size > 1:
+            raise ValueError(
+                "the page store connector serves engines with tensor_parallel_size 1 "
+                "(data-parallel ranks each have their own)"
+            )
+        # scheduler side
+        self._requests: dict[str, Request] = {}
+        self._found: dict[str, tuple[int, list[Any]]] = {}  # id -> (skip, refs)
+        self._to_load: dict[str, list[tuple[int, int, bytes, int]]] = {}
+        self._saved: dict[str, int] = {}  # full blocks already handed to the store
+        # worker side
+        self._layers: list[_Layer] = []
+        self._arena: Arena | None = None
+        self._pages: torch.Tensor | None = None  # (num_pages, page_bytes) uint8
+        self._load_errors: set[int] = set()
+        self._stream: Any = None
+        # (slots written, CUDA event marking the copies done) to checksum + publish
+        self._commits: queue.Queue[tuple[list[int], Any] | None] = queue.Queue()
+        self._committer: threading.Thread | None = None
+        self._warned = False
+
+    # ==== scheduler side =====================================================
+
+    def on_new_request(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        rid, b = request.request_id, self._block_size
+        full = (request.num_prompt_tokens - 1) // b  # one prompt token is computed
+        hashes = [bytes(h) for h in request.block_hashes[:full]]
+        skip = num_computed_tokens // b
+        self._drop_found(rid)
+        if len(hashes) <= skip:
+            return 0, False
+        try:
+            refs, pending = self._client.call(
+                "lookup",
+                rid,
+                hashes,
+                request.cache_salt or "",
+                list(request.prompt_token_ids or ())[: full * b],
+                b,
+                self._fetch,
+            )
+        except StoreError as e:
+            self._warn(e)
+            return 0, False
+        if pending:
+            return None, False  # another node's pages are on their way
+        if len(refs) <= skip:
+            self._release(rid)
+            return 0, False
+        self._found[rid] = (skip, refs)
+        return (len(refs) - skip) * b, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        rid = request.request_id
+        found = self._found.pop(rid, None)
+        if found is None:
+            return
+        if num_external_tokens == 0:
+            self._release(rid)
+            return
+        skip, refs = found
+        block_ids = blocks.get_block_ids()[0]
+        self._to_load[rid] = [
+            (slot, crc, h, block_ids[i])
+            for i, (slot, h, crc) in enumerate(refs)
+            if i >= skip
+        ]
+        self._saved[rid] = max(self._saved.get(rid, 0), len(refs))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StoreMetadata:
+        meta = StoreMetadata(loads=self._to_load)
+        self._to_load = {}
+        manager, b = self._kv_cache_manager, self._block_size
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            req = self._requests.get(rid)
+            if req is None or manager is None:
+                continue
+            # Blocks whose every token is in the cache once this step has run.
+            done = min(len(req.block_hashes), (req.num_computed_tokens + n) // b)
+            # A block that failed to load is recomputed (num_computed_tokens moved
+            # back), and saved again.
+            start = min(self._saved.get(rid, 0), req.num_computed_tokens // b)
+            if done <= start:
+                continue
+            block_ids = manager.get_block_ids(rid)[0]
+            meta.saves += [
+                (bytes(req.block_hashes[i]), block_ids[i]) for i in range(start, done)
+            ]
+            self._saved[rid] = done
+        return meta
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._drop_found(rid)
+        if self._to_load.pop(rid, None) is not None:
+            self._release(rid)
+        self._requests.pop(rid, None)
+        self._saved.pop(rid, None)
+        return False, None  # saves are copied in the step that completes them
+
+    def _drop_found(self, rid: str) -> None:
+        if self._found.pop(rid, None) is not None:
+            self._release(rid)
+
+    def _release(self, rid: str) -> None:
+        try:
+            self._client.call("release", rid)
+        except StoreError as e:
+            self._warn(e)
+
+    # ==== worker side ========================================================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        offset = 0
+        for name, cache in kv_caches.items():
+            dims = [d for d, size in enumerate(cache.shape) if size == self._num_blocks]
+            if not dims or dims[0] > 1:
+                raise ValueError(
+                    f"KV cache {name} of shape {tuple(cache.shape)} has no block "
+                    f"dimension of {self._num_blocks} blocks in front"
+                )
+            nbytes = cache.select(dims[0], 0).numel() * cache.element_size()
+            self._layers.append(_Layer(name, cache, dims[0], offset, nbytes))
+            offset += nbytes
+        first = next(iter(kv_caches.values()))
+        layout = (
+            f"{self._vllm_config.model_config.model}|{first.dtype}|"
+            f"block {self._block_size}|"
+            + ",".join(f"{tuple(x.block(0).shape)}" for x in self._layers)
+        )
+        name, num_pages, page_bytes = self._client.call("open", offset, layout)
+        self._arena = Arena.attach(name, num_pages, page_bytes)
+        self._pages = torch.from_numpy(self._arena.pages())
+        if first.is_cuda:
+            # Page-locked arena: host<->device copies run asynchronously by DMA.
+            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+            cudart.cudaHostRegister(self._pages.data_ptr(), self._pages.numel(), 0)
+            self._stream = torch.cuda.Stream(device=first.device)  # type: ignore[no-untyped-call]
+        self._committer = threading.Thread(
+            target=self._commit_loop, name="kvstore-commit", daemon=True
+        )
+        self._committer.start()
+        logger.info(
+            "page store: %d pages of %d bytes (%d layers) in %s",
+            num_pages,
+            page_bytes,
+            len(self._layers),
+            name,
+        )
+
+    def _view(self, slot: int, layer: _Layer) -> torch.Tensor:
+        assert self._pages is not None
+        raw = self._pages[slot, layer.offset : layer.offset + layer.nbytes]
+        block = layer.block(0)
+        return raw.view(block.dtype).view(block.shape)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, StoreMetadata)
+        if self._stream is not None:
+            # Saves of the last step read blocks this step may overwrite.
+            torch.cuda.current_stream().wait_stream(self._stream)
+        if not meta.loads or self._arena is None:
+            return
+        bad: list[bytes] = []
+        for pages in meta.loads.values():
+            for i, (slot, crc, h, block_id) in enumerate(pages):
+                if checksum(self._arena.page(slot)) != crc:
+                    # Never serve it: this block and the rest of the prefix are
+                    # recomputed by vLLM.
+                    bad.append(h)
+                    self._load_errors.update(p[3] for p in pages[i:])
+                    break
+                for layer in self._layers:
+                    layer.block(block_id).copy_(
+                        self._view(slot, layer), non_blocking=self._stream is not None
+                    )
+        if self._stream is not None:
+            torch.cuda.current_stream().synchronize()  # loaded before the forward
+        try:
+            if bad:
+                logger.warning("page store: %d corrupt pages dropped", len(bad))
+                self._client.call("drop", bad)
+            self._client.call("release", *meta.loads)
+        except StoreError as e:
+            self._warn(e)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return  # whole pages are saved once every layer has run (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, StoreMetadata)
+        if not meta.saves or self._pages is None:
+            return
+        try:
+            slots = self._client.call("reserve", [h for h, _ in meta.saves])
+        except StoreError as e:
+            self._warn(e)
+            return
+        written = []
+        stream = self._stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            for slot, (_, block_id) in zip(slots, meta.saves, strict=True):
+                if slot is None:
+                    continue  # stored already (or the store is full of pinned pages)
+                for layer in self._layers:
+                    self._view(slot, layer).copy_(
+                        layer.block(block_id), non_blocking=stream is not None
+                    )
+                written.append(slot)
+        if written:
+            event = None
+            if stream is not None:
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(stream)
+            self._commits.put((written, event))
+
+    def _commit_loop(self) -> None:
+        """Checksums saved pages and publishes them, off the engine's step."""
+        while (item := self._commits.get()) is not None:
+            slots, event = item
+            if event is not None:
+                event.synchronize()
+            assert self._arena is not None
+            done = [(s, checksum(self._arena.page(s))) for s in slots]
+            try:
+                self._client.call("commit", done)
+            except StoreError as e:
+                self._warn(e)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._committer is not None:
+            self._commits.put(None)
+            self._committer.join(timeout=5)
+        self._client.close()
+        if self._pages is not None and self._stream is not None:
+            torch.cuda.cudart().cudaHostUnregister(  # type: ignore[no-untyped-call]
+                self._pages.data_ptr()
+            )
+        self._pages = None
+        self._layers = []
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+
+    def _warn(self, error: Exception) -> None:
+        # A store that is gone costs cache hits, never requests.
+        if not self._warned:
+            logger.warning("page store unavailable (%s); continuing without it", error)
+            self._warned = True

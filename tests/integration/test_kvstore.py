@@ -1,0 +1,206 @@
+"""The node's shared page store under two real engine replicas.
+
+Requests go straight to a chosen engine replica (the engines' own request router
+delivers to the replica named in the request), so "computed on A, loaded on B" is
+exact. The tiny model's greedy tokens do not depend on the KV cache (its head is
+built that way), so these tests also check the KV itself: a page B computes on top
+of pages it loaded must equal, within float tolerance, the page computed from
+scratch under another tenant (same tokens and maths, different hash chain).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+
+from deployments.protocol import EngineRequest, Finish, Sampling, TokenDelta
+from kvstore import actor as kv_actor
+from router.prefix import block_hashes
+from tests.integration.conftest import Served, engine_stats, wait_until
+
+BLOCK = 16
+PAGE_BYTES = 4 * BLOCK * 576 * 4  # 4 MLA layers x 16 tokens x 576 x float32
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    finish: Finish
+    ttft_s: float
+
+
+def generate(
+    engine_handle: Any, replica: str, prompt: list[int], tenant: str = "", n: int = 4
+) -> Run:
+    request = EngineRequest(
+        request_id=f"kv-{uuid.uuid4().hex[:8]}",
+        prompt_token_ids=tuple(prompt),
+        sampling=Sampling(max_tokens=n, temperature=0.0),
+        tenant=tenant,
+        replica_id=replica,
+    )
+    tokens: list[int] = []
+    finish, first = None, None
+    start = time.perf_counter()
+    for event in engine_handle.options(stream=True).generate.remote(request):
+        if isinstance(event, TokenDelta):
+            first = first or time.perf_counter()
+            tokens += event.token_ids
+        elif isinstance(event, Finish):
+            finish = event
+    assert finish is not None and first is not None
+    assert finish.replica_id == replica, "not delivered where it was sent"
+    return Run(tokens, finish, first - start)
+
+
+def unique_prompt(n: int, seed: int | None = None) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(3, 1000, n)]
+
+
+@pytest.fixture(scope="module")
+def replicas(engine_handle: Any) -> tuple[str, str]:
+    stats = wait_until(
+        lambda: s if len(s := engine_stats(engine_handle)) == 2 else None,
+        60,
+        "both replicas",
+    )
+    a, b = sorted(stats)
+    return a, b
+
+
+@pytest.fixture(scope="module")
+def store(served: Served) -> Any:
+    stores = kv_actor.stores(served.config.server.app_name)
+    assert len(stores) == 1, "one node, one store"
+    return next(iter(stores.values()))
+
+
+def pages(store: Any, prompt: list[int], tenant: str = "") -> np.ndarray:
+    """The stored pages of ``prompt``'s full blocks (rows), as far as stored."""
+    hashes = list(block_hashes(prompt, BLOCK, salt=tenant or None))
+    got, rows = ray.get(store.export.remote(hashes))
+    return np.asarray(rows).view(np.float32).reshape(len(got), 4, BLOCK, 576)
+
+
+def test_a_prefix_computed_on_one_replica_is_loaded_on_the_other(
+    engine_handle: Any, replicas: tuple[str, str], store: Any
+) -> None:
+    a, b = replicas
+    ttft_cold, ttft_loaded = [], []
+    for _ in range(3):
+        prompt = unique_prompt(400)  # 25 full blocks; 24 loadable (one is computed)
+        cold = generate(engine_handle, a, prompt)
+        assert cold.finish.cached_tokens == 0
+        loaded = generate(engine_handle, b, prompt)
+        assert loaded.finish.cached_tokens == 24 * BLOCK
+        assert loaded.tokens == cold.tokens
+        ttft_cold.append(cold.ttft_s)
+        ttft_loaded.append(loaded.ttft_s)
+    print(f"TTFT cold {ttft_cold}, loaded from the store {ttft_loaded}")
+    assert min(ttft_loaded) < min(ttft_cold)
+
+    # The KV itself. B extends a prefix A stored, and A does the same under
+    # another tenant (same tokens, same schedule, its own pages): what B computes
+    # on top of the pages it loaded equals what A computes on top of its own.
+    prefix = unique_prompt(8 * BLOCK + 1)
+    prompt = prefix + unique_prompt(12 * BLOCK)
+    generate(engine_handle, a, prefix)
+    assert generate(engine_handle, b, prompt).finish.cached_tokens == 8 * BLOCK
+    generate(engine_handle, a, prefix, tenant="reference")
+    ref = generate(engine_handle, a, prompt, tenant="reference")
+    assert ref.finish.cached_tokens == 8 * BLOCK
+    mine, reference = pages(store, prompt), pages(store, prompt, "reference")
+    assert mine.shape == reference.shape == (20, 4, BLOCK, 576)
+    np.testing.assert_allclose(mine, reference, rtol=1e-5, atol=1e-5)
+    # And it is the prompt's KV: past the first blocks of a prefill (which vLLM's
+    # CPU MLA path computes slightly differently with the prefill's length), B's
+    # pages match a from-scratch computation of the whole prompt.
+    generate(engine_handle, a, prompt, tenant="scratch")
+    scratch = pages(store, prompt, "scratch")
+    np.testing.assert_allclose(mine[3:8], scratch[3:8], atol=2e-2)
+    np.testing.assert_allclose(mine[11:], scratch[11:], atol=2e-2)
+
+
+def test_a_tenant_never_hits_another_tenants_prompt(
+    engine_handle: Any, replicas: tuple[str, str], store: Any
+) -> None:
+    a, b = replicas
+    prompt = unique_prompt(200)
+    generate(engine_handle, a, prompt, tenant="alice")
+    assert generate(engine_handle, b, prompt, tenant="bob").finish.cached_tokens == 0
+    assert generate(engine_handle, b, prompt).finish.cached_tokens == 0
+    assert generate(engine_handle, b, prompt, tenant="alice").finish.cached_tokens > 0
+
+
+def test_a_corrupt_page_is_recomputed_not_served(
+    engine_handle: Any, replicas: tuple[str, str], store: Any
+) -> None:
+    a, b = replicas
+    prompt = unique_prompt(6 * BLOCK + 1)
+    first = generate(engine_handle, a, prompt)
+    good = pages(store, prompt).copy()
+    hashes = block_hashes(prompt, BLOCK)
+    assert ray.get(store.corrupt.remote(hashes[2]))
+    before = ray.get(store.summary.remote())["dropped_pages"]
+    run = generate(engine_handle, b, prompt)
+    assert run.tokens == first.tokens
+    assert ray.get(store.summary.remote())["dropped_pages"] == before + 1
+    # Recomputed and stored again (every page passes its checksum on export);
+    # the pages before the corrupt one were loaded, byte for byte.
+    again = pages(store, prompt)
+    assert again.shape[0] == 6
+    np.testing.assert_array_equal(again[:2], good[:2])
+    assert generate(engine_handle, b, prompt).finish.cached_tokens == 6 * BLOCK
+
+
+def test_the_arena_stays_within_its_bound_and_evicts_least_recently_used(
+    served: Served, engine_handle: Any, replicas: tuple[str, str], store: Any
+) -> None:
+    a, _ = replicas
+    capacity = served.config.kvstore.capacity_bytes
+    summary = ray.get(store.summary.remote())
+    assert summary["num_pages"] * summary["page_bytes"] <= capacity
+    shm = Path("/dev/shm")
+    arenas = [p for p in shm.glob("moe-kv-*")] if shm.exists() else []
+    for arena in arenas:
+        assert arena.stat().st_size <= capacity
+    prompts = [unique_prompt(31 * BLOCK + 1) for _ in range(8)]  # 248 pages > 200
+    for prompt in prompts:
+        generate(engine_handle, a, prompt, n=1)
+    summary = ray.get(store.summary.remote())
+    assert summary["pages"] <= summary["num_pages"] == capacity // PAGE_BYTES
+    assert summary["evictions"] > 0
+    assert pages(store, prompts[0]).shape[0] == 0  # the oldest went first
+    assert pages(store, prompts[-1]).shape[0] == 31  # the newest is whole
+
+
+def test_hot_prefixes_are_published_for_warmup(
+    served: Served, engine_handle: Any, replicas: tuple[str, str]
+) -> None:
+    a, b = replicas
+    prompt = unique_prompt(4 * BLOCK + 1)
+    generate(engine_handle, a, prompt)
+    for _ in range(3):
+        generate(engine_handle, b, prompt, tenant="")
+    directory = kv_actor.directory(served.config.server.app_name)
+    hot = wait_until(
+        lambda: [
+            k
+            for k in ray.get(directory.hottest.remote(8))
+            if k[1] == tuple(prompt[:64])
+        ],
+        10,
+        "the prefix in the directory's hot list",
+    )
+    assert hot == [("", tuple(prompt[:64]))]
+    # What a starting replica does with it: the pages come from the store.
+    cached = engine_handle.options().prefill.remote(prompt[:64] + [1]).result()
+    assert cached == 4 * BLOCK
