@@ -26,8 +26,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from deployments.app import deploy, prepare_model
-    from router import actor as router_actor
     from kvstore import actor as kv_actor
+    from router import actor as router_actor
 
     config = prepare_model(_config(args.config))
     started = time.monotonic()

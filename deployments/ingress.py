@@ -21,10 +21,11 @@ from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
 from cluster.config import ClusterConfig
-from deployments import grpc_api, openai_api, validation
+from deployments import grpc_api, kv_warm, openai_api, validation
 from deployments.errors import ServiceError, status_of
 from deployments.frontend import Frontend, ModelFacts
 from deployments.grpc_api import MalformedRequest
+from deployments.kv_warm import WarmRequest
 from deployments.proto import inference_pb2 as pb
 from deployments.protocol import EngineEvent, EngineRequest, Finish, TokenDelta
 from deployments.router_client import RouterClient
@@ -285,6 +286,44 @@ class Ingress:
         ok = await self._engines_alive()
         return JSONResponse(
             {"status": "ok" if ok else "unavailable"}, 200 if ok else 503
+        )
+
+    @app.post("/v1/kv/warm")
+    async def warm(self, request: Request) -> Response:
+        """Computes (or loads) a prompt's KV pages once, then has every node's
+        page store hold them: e.g. a system prompt or a document about to be
+        used. Answers how many pages each node now holds."""
+        try:
+            self.frontend.authenticate(request.headers.get("authorization"))
+            req = openai_api.parse(WarmRequest, await request.body())
+            limits = self.frontend.limits
+            if (req.prompt is None) == (req.token_ids is None):
+                raise validation.InvalidRequest(
+                    "prompt", "give exactly one of prompt and token_ids"
+                )
+            if req.prompt is not None:
+                text = validation.prompt_text(req.prompt, limits, "prompt")
+                ids = tuple(self.frontend.encode_text(text))
+            else:
+                ids = validation.token_ids(req.token_ids or [], limits, "token_ids")
+            validation.prompt_fits(len(ids), limits, "prompt")
+            tenant = validation.tenant(req.tenant)
+            if not self._config.kvstore.enabled:
+                raise validation.InvalidRequest("kvstore", "the page store is off")
+            cached = await self._engine.prefill.remote(list(ids), tenant)
+            held = await kv_warm.replicate(
+                self._config.server.app_name,
+                kv_warm.page_hashes(ids, self._config.engine.block_size, tenant),
+            )
+        except Exception as e:
+            return self._http_error(e)
+        return JSONResponse(
+            {
+                "prompt_tokens": len(ids),
+                "pages": len(ids) // self._config.engine.block_size,
+                "cached_tokens": cached,
+                "nodes": held,
+            }
         )
 
     @app.post("/v1/completions")

@@ -123,6 +123,8 @@ class Directory:
         if held is None or h not in held:
             return
         held.discard(h)
+        if not held:
+            del self._by_node[node]
         holders = self._holders[h]
         holders.discard(node)
         if not holders:

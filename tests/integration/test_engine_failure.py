@@ -9,14 +9,17 @@ from typing import Any
 
 import grpc
 import psutil
+import ray
 
 from deployments.proto import inference_pb2 as pb
+from kvstore import actor as kv_actor
 from tests.integration.conftest import (
     Served,
     engine_stats,
     metric_lines,
     wait_until,
 )
+from tests.integration.test_kvstore import generate, unique_prompt
 from tests.integration.test_router import router_snapshot
 
 RUN_LAST = True  # kills an engine; the cluster heals within the test
@@ -48,6 +51,12 @@ def test_dead_engine_fails_its_streams_opens_its_breaker_and_is_replaced(
             out["code"], out["details"] = e.code(), e.details()
         if first:
             started.release()
+
+    # Pages the node's store holds before the replica dies.
+    kept = unique_prompt(6 * 16 + 1)
+    generate(engine_handle, "", kept)
+    store = next(iter(kv_actor.stores(served.config.server.app_name).values()))
+    store_before = ray.get(store.summary.remote())
 
     rids = [f"doomed-{i}" for i in range(STREAMS)]
     readers = [threading.Thread(target=stream, args=(r,), daemon=True) for r in rids]
@@ -112,3 +121,10 @@ def test_dead_engine_fails_its_streams_opens_its_breaker_and_is_replaced(
         return len(replicas) == 2 and victim.replica_id not in replicas
 
     wait_until(routable, 30, "the router to route to the replacement only")
+
+    # The node's pages outlived the replica: its replacement loads them.
+    (new,) = set(engine_stats(engine_handle)) - set(before)
+    assert generate(engine_handle, new, kept).finish.cached_tokens == 6 * 16
+    store_after = ray.get(store.summary.remote())
+    assert store_after["node"] == store_before["node"]
+    assert store_after["saved_pages"] >= store_before["saved_pages"]

@@ -1,0 +1,134 @@
+"""The node store's bookkeeping: leases, change log, hot prefixes, export/import."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvstore.node_store import ChangeLog, Changes, LayoutMismatch, NodeStore
+from kvstore.page_store import PageHash
+
+H = [PageHash(bytes([i]) * 32) for i in range(16)]
+PAGE = 64
+
+
+@pytest.fixture
+def store() -> Iterator[NodeStore]:
+    s = NodeStore(f"moe-test-{uuid.uuid4().hex[:8]}", 4 * PAGE)
+    s.open(PAGE, "layout-a")
+    yield s
+    s.close()
+
+
+def put(store: NodeStore, hashes: list[PageHash], fill: int = 1) -> None:
+    assert store.arena is not None
+    slots = store.reserve(hashes)
+    store.commit(
+        (slot, store.arena.write(slot, np.full(PAGE, fill + i, np.uint8)))
+        for i, slot in enumerate(slots)
+        if slot is not None
+    )
+
+
+def test_the_first_engine_sizes_the_arena_and_others_must_match() -> None:
+    s = NodeStore(f"moe-test-{uuid.uuid4().hex[:8]}", 1000)
+    with pytest.raises(RuntimeError, match="no arena"):
+        s.lookup("r", H[:1])
+    try:
+        info = s.open(300, "a")
+        assert (info.num_pages, info.page_bytes) == (3, 300)  # 900 of 1000 bytes
+        assert s.open(300, "a") == info
+        with pytest.raises(LayoutMismatch):
+            s.open(300, "b")
+        with pytest.raises(LayoutMismatch):
+            s.open(200, "a")
+    finally:
+        s.close()
+    with pytest.raises(ValueError, match="holds no page"):
+        NodeStore("x", 10).open(64, "a")
+
+
+def test_a_lease_pins_what_a_lookup_found_until_released(store: NodeStore) -> None:
+    put(store, H[:4])
+    found = store.lookup("req-1", [H[0], H[1], H[9]])
+    assert [r.page_hash for r in found] == H[:2]
+    assert store.reserve([H[5], H[6]]) != [None, None]  # evicts H2, H3 only
+    assert H[0] in store.index and H[1] in store.index  # type: ignore[operator]
+    store.release("req-1")
+    store.release("req-1")  # idempotent
+    assert store.reserve([H[7]]) != [None]  # now H0 may go
+
+
+def test_a_new_lookup_under_the_same_lease_replaces_its_pins(store: NodeStore) -> None:
+    put(store, H[:4])
+    store.lookup("r", H[:4])
+    store.lookup("r", H[:1])
+    assert store.summary()["leases"] == 1
+    slots = store.reserve(H[4:7])
+    assert None not in slots  # H1..H3 were unpinned and evicted
+
+
+def test_changes_report_additions_removals_and_evictions(store: NodeStore) -> None:
+    put(store, H[:3])
+    c = store.changes(0)
+    assert (c.full, c.added, c.removed) == (False, tuple(H[:3]), ())
+    put(store, H[3:6])  # 4 pages: H0 and H1 are evicted (least recently used)
+    store.drop([H[2]])
+    c2 = store.changes(c.seq)
+    assert set(c2.added) == set(H[3:6]) and set(c2.removed) == set(H[:3])
+    full = store.changes(-1)
+    assert full.full and set(full.added) == set(H[3:6])
+
+
+def test_a_change_log_reader_too_far_behind_gets_everything() -> None:
+    items = {1, 2, 3}
+    log: ChangeLog[int] = ChangeLog(lambda: sorted(items), limit=2)
+    for i in (1, 2, 3):
+        log.record(True, i)
+    assert log.since(1) == Changes(3, False, (2, 3))
+    assert log.since(0) == Changes(3, True, (1, 2, 3))  # entry 1 was trimmed
+    assert log.since(7) == Changes(3, True, (1, 2, 3))  # another incarnation's seq
+    log.record(False, 2)
+    assert log.since(3) == Changes(4, False, (), (2,))
+    assert log.since(2) == Changes(4, False, (3,), (2,))  # 2 added, then removed
+
+
+def test_hot_prefixes_count_hits_and_keep_the_most_seen() -> None:
+    s = NodeStore(f"moe-test-{uuid.uuid4().hex[:8]}", 4 * PAGE)
+    s.open(PAGE, "a")
+    s.hot.limit = 2
+    try:
+        put(s, H[:2])
+        tokens = list(range(40))
+        for _ in range(3):
+            s.lookup("r", H[:2], "t1", tokens, 16)
+        s.lookup("r", H[:1], "", tokens, 16)
+        s.lookup("r", H[:1], "t2", tokens, 16)  # replaces the least seen
+        top = s.hot.top(5)
+        assert top[0] == (("t1", tuple(range(32))), 3)
+        assert len(top) == 2 and top[1][0] == ("t2", tuple(range(16)))
+    finally:
+        s.close()
+
+
+def test_export_stops_at_a_corrupt_page_and_drops_it(store: NodeStore) -> None:
+    put(store, H[:3])
+    assert store.arena is not None
+    ref = store.index.lookup([H[1]])[0]  # type: ignore[union-attr]
+    store.arena.page(ref.index)[0] ^= 0xFF
+    got, pages = store.export(H[:3])
+    assert got == [H[0]] and pages.shape == (1, PAGE)
+    assert int(pages[0, 0]) == 1
+    assert H[1] not in store.index  # type: ignore[operator]
+    assert store.summary()["dropped_pages"] == 1
+
+
+def test_import_stores_new_pages_only(store: NodeStore) -> None:
+    put(store, H[:1])
+    pages = np.stack([np.full(PAGE, 9, np.uint8), np.full(PAGE, 8, np.uint8)])
+    assert store.import_pages([H[0], H[1]], pages) == 1
+    got, out = store.export(H[:2])
+    assert got == H[:2] and int(out[0, 0]) == 1 and int(out[1, 0]) == 8

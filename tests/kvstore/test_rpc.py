@@ -1,0 +1,108 @@
+"""The node store's Unix socket: calls, errors, and cleanup when an engine dies."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.arena import Arena
+from kvstore.node_store import NodeStore
+from kvstore.page_store import PageHash
+from kvstore.rpc import StoreClient, StoreError, StoreServer
+
+H = [PageHash(bytes([i]) * 32) for i in range(8)]
+PAGE = 128
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[NodeStore, str, list[int]]]:
+    store = NodeStore(f"moe-test-{uuid.uuid4().hex[:8]}", 4 * PAGE)
+    misses: list[int] = []
+
+    def on_miss(hashes: list[PageHash], first: int) -> bool:
+        misses.append(first)
+        return hashes[first] == H[1]  # pretend another node holds H1
+
+    path = str(tmp_path / "store.sock")
+    server = StoreServer(store, path, on_miss)
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(server.start())
+        ready.set()
+        loop.run_forever()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    assert ready.wait(5)
+    yield store, path, misses
+    asyncio.run_coroutine_threadsafe(server.stop(), loop).result(5)
+    loop.call_soon_threadsafe(loop.stop)
+    t.join(5)
+    store.close()
+
+
+def test_an_engine_opens_writes_commits_and_finds_pages(
+    served: tuple[NodeStore, str, list[int]],
+) -> None:
+    store, path, misses = served
+    c = StoreClient(path)
+    name, num_pages, page_bytes = c.call("open", PAGE, "layout")
+    arena = Arena.attach(name, num_pages, page_bytes)
+    try:
+        slots = c.call("reserve", [H[0], H[2]])
+        crcs = [arena.write(s, np.full(PAGE, 7, np.uint8)) for s in slots]
+        c.call("commit", list(zip(slots, crcs, strict=True)))
+        refs, pending = c.call("lookup", "r1", [H[0], H[3]], "", [], 16, True)
+        assert [r[1] for r in refs] == [H[0]] and not pending  # nobody has H3
+        assert misses == [1]
+        refs, pending = c.call("lookup", "r2", [H[0], H[1]], "", [], 16, True)
+        assert refs == [] and pending  # fetching: nothing held meanwhile
+        assert store.summary()["leases"] == 1
+        c.call("release", "r1")
+        assert store.summary()["leases"] == 0
+        with pytest.raises(StoreError, match="unknown method"):
+            c.call("nonsense")
+        with pytest.raises(StoreError, match="LayoutMismatch"):
+            c.call("open", PAGE, "another model")
+    finally:
+        c.close()
+        arena.close()
+
+
+def test_a_dead_engines_pins_and_reservations_are_given_back(
+    served: tuple[NodeStore, str, list[int]],
+) -> None:
+    store, path, _ = served
+    c = StoreClient(path)
+    name, num_pages, page_bytes = c.call("open", PAGE, "layout")
+    arena = Arena.attach(name, num_pages, page_bytes)
+    try:
+        slot = c.call("reserve", [H[0]])[0]
+        c.call("commit", [[slot, arena.write(slot, np.zeros(PAGE, np.uint8))]])
+        c.call("lookup", "r", [H[0]], "", [], 16, False)
+        c.call("reserve", [H[1], H[2], H[3]])  # never committed
+        c.close()  # the engine dies
+        for _ in range(100):
+            if store.summary()["leases"] == 0:
+                break
+            threading.Event().wait(0.02)
+        assert store.summary()["leases"] == 0
+        other = StoreClient(path)
+        assert None not in other.call("reserve", [H[4], H[5], H[6]])
+        other.close()
+    finally:
+        arena.close()
+
+
+def test_an_unreachable_store_is_a_store_error(tmp_path: Path) -> None:
+    with pytest.raises(StoreError):
+        StoreClient(str(tmp_path / "none.sock")).call("summary")
