@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= cluster/configs/tiny-cpu.yaml
 MODEL  := .models/tiny-deepseek-v2
 
-.PHONY: install serve test lint unit model proto clean bench-peers bench-qos
+.PHONY: install serve test lint unit model proto clean bench-peers bench-qos bench-kv
 
 install: $(STAMP)
 
@@ -53,3 +53,10 @@ bench-peers: install
 bench-qos: model
 	$(BIN)/python -m tests.perf.qos_flood
 	$(BIN)/python -m tests.perf.router_decisions
+
+# Page store: page load bandwidth against memcpy; 512-token prefix TTFT on a second
+# replica with and without the store; a new replica's first TTFT with and without
+# warmup (~5 min; writes tests/perf/results/kv_reuse.{json,md}).
+bench-kv: model
+	$(BIN)/python -m tests.perf.page_copy
+	$(BIN)/python -m tests.perf.kv_reuse

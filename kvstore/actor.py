@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import ray
@@ -105,6 +105,7 @@ class NodeStoreActor:
         self._settled: dict[PageHash, float] = {}  # fetch ended: don't retry at once
         self._started = False
         self._directory: Any = None
+        self._metrics = _StoreMetrics(node_id)
 
     async def start(self) -> str:
         """Serves the node's engines; returns the socket they connect to."""
@@ -118,6 +119,7 @@ class NodeStoreActor:
 
     async def _sync_loop(self) -> None:
         while True:
+            self._metrics.update(self.store.summary())
             try:
                 await self.sync()
             except Exception as e:  # the directory restarting: try again next time
@@ -227,6 +229,45 @@ class NodeStoreActor:
     async def shutdown(self) -> None:
         await self.server.stop()
         self.store.close()
+
+
+class _StoreMetrics:
+    """The store's numbers on Ray's metrics endpoint (``ray_`` prefix there)."""
+
+    COUNTERS: ClassVar[dict[str, str]] = {  # summary key -> description
+        "hit_pages": "Pages found in the store for a prompt (loaded, not computed).",
+        "miss_pages": "Prompt pages looked up and not found.",
+        "saved_pages": "Pages engines saved into the store.",
+        "evictions": "Pages evicted (least recently used) to make room.",
+        "dropped_pages": "Pages dropped because they failed their checksum.",
+        "imported_pages": "Pages fetched from other nodes.",
+        "exported_pages": "Pages sent to other nodes.",
+    }
+
+    def __init__(self, node: NodeId) -> None:
+        from ray.util import metrics
+
+        self._tags = {"node": node[:16]}
+        self._last: dict[str, int] = {}
+        self._counters = {
+            key: metrics.Counter(f"moe_cluster_kv_{key}", desc, ("node",))
+            for key, desc in self.COUNTERS.items()
+        }
+        self._pages = metrics.Gauge(
+            "moe_cluster_kv_pages", "Pages the node's store holds.", ("node",)
+        )
+        self._capacity = metrics.Gauge(
+            "moe_cluster_kv_capacity_pages", "Pages the arena can hold.", ("node",)
+        )
+
+    def update(self, summary: dict[str, int]) -> None:
+        for key, counter in self._counters.items():
+            delta = summary.get(key, 0) - self._last.get(key, 0)
+            if delta > 0:
+                counter.inc(delta, self._tags)
+            self._last[key] = summary.get(key, 0)
+        self._pages.set(summary.get("pages", 0), self._tags)
+        self._capacity.set(summary.get("num_pages", 0), self._tags)
 
 
 def directory(app: str) -> Any:

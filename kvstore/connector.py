@@ -228,7 +228,7 @@ class PageStoreConnector(KVConnectorBase_V1):
             offset += nbytes
         first = next(iter(kv_caches.values()))
         layout = (
-            f"{self._vllm_config.model_config.model}|{first.dtype}|"
+            f"{self._vllm_config.model_config.served_model_name}|{first.dtype}|"
             f"block {self._block_size}|"
             + ",".join(f"{tuple(x.block(0).shape)}" for x in self._layers)
         )

@@ -233,3 +233,14 @@ def test_warming_a_prefix_on_demand(
         assert r.json()["error"]["message"]
     r = httpx.post(f"{served.http_base}/v1/kv/warm", json={"prompt": "x"}, timeout=10)
     assert r.status_code == 401
+
+
+def test_the_store_reports_on_the_metrics_endpoint(served: Served) -> None:
+    from tests.integration.conftest import metric_lines
+
+    def shown() -> bool:
+        hits = metric_lines(served, "ray_moe_cluster_kv_hit_pages_total")
+        pages = metric_lines(served, "ray_moe_cluster_kv_pages")
+        return bool(hits) and any(float(x.split()[-1]) > 0 for x in pages)
+
+    wait_until(shown, 60, "page store metrics on Ray's endpoint")

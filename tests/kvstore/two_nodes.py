@@ -1,18 +1,25 @@
 """A page held on node 1 is fetched by node 2: two Ray nodes started in-process.
 
-    .venv/bin/python -m tests.kvstore.two_nodes      # prints one JSON line
+    .venv/bin/python -m tests.kvstore.two_nodes [MODEL_DIR]   # prints JSON lines
 
-Each node runs its own store actor and arena. An "engine" on node 1 (a store
-client, as the connector is) writes a prompt's pages; one on node 2 looks the
-prompt up, is told to wait while its store fetches the pages from node 1's, then
-finds them locally. Run in its own process by ``test_two_nodes`` (a process can
-join only one Ray cluster).
+Each node runs its own store actor and arena.
+
+1. Stores: a client on node 1 (as the connector is) writes a prompt's pages; one on
+   node 2 looks the prompt up, is told to wait while its store fetches the pages
+   from node 1's, then finds them locally.
+2. Engines (with MODEL_DIR): a vLLM engine on each node, each with the connector to
+   its node's store. Node 1's engine computes a prompt; node 2's engine, asked the
+   same prompt, loads it (fetched across nodes) instead of recomputing it.
+
+Run in its own process by ``test_two_nodes`` (a process joins one Ray cluster).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
+from typing import Any
 
 import numpy as np
 import ray
@@ -24,6 +31,7 @@ from kvstore.rpc import StoreClient
 from router.prefix import block_hashes
 
 APP = "two-nodes"
+ENGINES = "two-nodes-engines"
 PAGE = 147456  # one tiny-model page
 PAGES = 8
 
@@ -34,6 +42,7 @@ def main() -> None:
         head_node_args={"num_cpus": 1, "resources": {"node-1": 1}},
     )
     cluster.add_node(num_cpus=1, resources={"node-2": 1})
+    # (one CPU each: an engine per node)
     ray.init(address=cluster.address, namespace=kv_actor.NAMESPACE)
     cluster.wait_for_nodes()
     by_res = {
@@ -88,9 +97,70 @@ def main() -> None:
     )
     a1.close()
     a2.close()
+    if len(sys.argv) > 1:
+        # Fresh stores: the engines' pages are of another layout than the above.
+        e1 = kv_actor.get_or_create_store(ENGINES, n1, 64 * PAGE, sync_interval_s=0.1)
+        e2 = kv_actor.get_or_create_store(ENGINES, n2, 64 * PAGE, sync_interval_s=0.1)
+        socks = ray.get([e1.start.remote(), e2.start.remote()])
+        print(json.dumps(engines(sys.argv[1], *socks, e2)), flush=True)
+        kv_actor.kill(ENGINES)
     kv_actor.kill(APP)
     ray.shutdown()
     cluster.shutdown()
+
+
+class Engine:
+    """A vLLM engine with the page-store connector, on one node."""
+
+    def __init__(self, model: str, socket: str) -> None:
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
+        self.llm = LLM(
+            model=model,
+            dtype="float32",
+            max_model_len=512,
+            kv_cache_memory_bytes=32 << 20,
+            enforce_eager=True,
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="PageStoreConnector",
+                kv_connector_module_path="kvstore.connector",
+                kv_role="kv_both",
+                kv_load_failure_policy="recompute",
+                kv_connector_extra_config={"socket": socket},
+            ),
+        )
+
+    def generate(self, prompt: list[int]) -> tuple[list[int], int, float]:
+        from vllm import SamplingParams
+
+        t = time.perf_counter()
+        out = self.llm.generate(
+            [{"prompt_token_ids": prompt}],
+            SamplingParams(max_tokens=8, temperature=0.0),
+            use_tqdm=False,
+        )[0]
+        took = time.perf_counter() - t
+        return list(out.outputs[0].token_ids), out.num_cached_tokens or 0, took
+
+
+def engines(model: str, sock1: str, sock2: str, store2: Any) -> dict[str, Any]:
+    cls = ray.remote(num_cpus=1)(Engine)
+    e1 = cls.options(resources={"node-1": 1}).remote(model, sock1)
+    e2 = cls.options(resources={"node-2": 1}).remote(model, sock2)
+    prompt = list(range(3, 3 + 12 * 16 + 1))  # 12 full blocks + 1 token
+    before = ray.get(store2.summary.remote())["imported_pages"]
+    tokens1, cached1, _ = ray.get(e1.generate.remote(prompt))
+    time.sleep(0.5)  # node 1's pages reach the directory, and node 2's mirror
+    tokens2, cached2, seconds2 = ray.get(e2.generate.remote(prompt))
+    after = ray.get(store2.summary.remote())["imported_pages"]
+    return {
+        "engine_node_1_cached": cached1,
+        "engine_node_2_cached": cached2,
+        "same_tokens": tokens1 == tokens2,
+        "engine_node_2_imported_pages": after - before,
+        "engine_node_2_request_s": round(seconds2, 3),
+    }
 
 
 if __name__ == "__main__":

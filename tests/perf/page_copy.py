@@ -61,6 +61,93 @@ def measure(page_bytes: int) -> dict[str, float]:
         arena.close()
 
 
+LAYOUTS = {  # label -> (layers, tokens per block, dtype)
+    "tiny (16 tok x 4 layers x 576 x fp32)": (4, 16, "float32"),
+    "DeepSeek-V3 (64 tok x 61 layers x 576 x bf16)": (61, 64, "bfloat16"),
+}
+
+
+def measure_connector(layers: int, tokens: int, dtype: str) -> float:
+    """GB/s of the connector's own load: xxh3 of the page in place, then one copy
+    per layer into that layer's paged cache (blocks scattered at random), as
+    ``PageStoreConnector.start_load_kv`` does on CPU."""
+    import torch
+
+    from kvstore.arena import checksum
+
+    dt = getattr(torch, dtype)
+    block_bytes = tokens * 576 * dt.itemsize
+    page_bytes = layers * block_bytes
+    pages = max(4, TOTAL_BYTES // page_bytes // 4)
+    arena = Arena.create(f"moe-perf-{uuid.uuid4().hex[:8]}", pages, page_bytes)
+    try:
+        crcs = [
+            arena.write(
+                i, np.random.default_rng(i).integers(0, 255, page_bytes, np.uint8)
+            )
+            for i in range(pages)
+        ]
+        host = torch.from_numpy(arena.pages())
+        caches = [
+            torch.zeros((pages * 2, 1, tokens, 576), dtype=dt) for _ in range(layers)
+        ]
+        blocks = np.random.default_rng(0).permutation(pages * 2)[:pages].tolist()
+        views = [
+            [
+                host[i, j * block_bytes : (j + 1) * block_bytes]
+                .view(dt)
+                .view(1, tokens, 576)
+                for j in range(layers)
+            ]
+            for i in range(pages)
+        ]
+        t = time.perf_counter()
+        for _ in range(2):
+            for i in range(pages):
+                assert checksum(arena.page(i)) == crcs[i]
+                for j in range(layers):
+                    caches[j][blocks[i]].copy_(views[i][j])
+        rate = _rate(2 * pages * page_bytes, time.perf_counter() - t)
+        del host, views
+        return rate
+    finally:
+        arena.close()
+
+
+def measure_gpu(page_bytes: int) -> dict[str, float] | None:
+    """Host->device page loads where CUDA is at hand: the arena registered as
+    pinned memory (as the connector does) and copied on a side stream, against a
+    plain pinned host tensor of the same bytes. None without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    pages = max(4, TOTAL_BYTES // page_bytes // 4)
+    arena = Arena.create(f"moe-perf-{uuid.uuid4().hex[:8]}", pages, page_bytes)
+    try:
+        host = torch.from_numpy(arena.pages())
+        torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 0)
+        plain = torch.empty((pages, page_bytes), dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty((pages, page_bytes), dtype=torch.uint8, device="cuda")
+        side = torch.cuda.Stream()
+        results = {}
+        for label, src in (("pinned tensor -> GPU", plain), ("arena -> GPU", host)):
+            for rep in range(2):  # the first pass warms up
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                with torch.cuda.stream(side):
+                    for i in range(pages):
+                        dev[i].copy_(src[i], non_blocking=True)
+                side.synchronize()
+                if rep:
+                    results[label] = _rate(pages * page_bytes, time.perf_counter() - t)
+        torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
+        del host
+        return results
+    finally:
+        arena.close()
+
+
 def main() -> None:
     print("| page | memcpy GB/s | arena copy GB/s | arena load (copy + xxh3) GB/s |")
     print("|---|---|---|---|")
@@ -70,6 +157,19 @@ def main() -> None:
             f"| {label}, {size / 1024:.0f} KiB | {r['memcpy']:.1f} | "
             f"{r['arena copy']:.1f} | {r['arena load (copy + xxh3)']:.1f} |"
         )
+
+    for label, (layers, tokens, dtype) in LAYOUTS.items():
+        rate = measure_connector(layers, tokens, dtype)
+        print(f"{label}: connector load (xxh3 + per-layer copy) {rate:.1f} GB/s")
+    for label, size in SIZES.items():
+        g = measure_gpu(size)
+        if g is None:
+            print(f"{label}: host->GPU unmeasured (no CUDA device here)")
+        else:
+            print(
+                f"{label}: pinned tensor -> GPU {g['pinned tensor -> GPU']:.1f} GB/s, "
+                f"arena -> GPU {g['arena -> GPU']:.1f} GB/s"
+            )
 
 
 if __name__ == "__main__":
