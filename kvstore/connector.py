@@ -126,6 +126,11 @@ class PageStoreConnector(KVConnectorBase_V1):
         full = (request.num_prompt_tokens - 1) // b  # one prompt token is computed
         hashes = [bytes(h) for h in request.block_hashes[:full]]
         skip = num_computed_tokens // b
+        found = self._found.get(rid)
+        if found is not None and found[0] == skip:
+            # Asked again while the request waits for room: its pages are still
+            # pinned for it.
+            return (len(found[1]) - skip) * b, False
         self._drop_found(rid)
         if len(hashes) <= skip:
             return 0, False
