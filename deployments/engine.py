@@ -58,7 +58,6 @@ def engine_args(
     kv_events_endpoint: str | None = None,
     kv_store_socket: str | None = None,
 ) -> Any:
-    from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     events = None
@@ -66,14 +65,9 @@ def engine_args(
         events = kv_events.events_config(kv_events_endpoint)
     transfer = None
     if kv_store_socket is not None:
-        transfer = KVTransferConfig(
-            kv_connector="PageStoreConnector",
-            kv_connector_module_path="kvstore.connector",
-            kv_role="kv_both",
-            # A page that fails its checksum is recomputed, never served.
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"socket": kv_store_socket},
-        )
+        from kvstore.connector import transfer_config
+
+        transfer = transfer_config(kv_store_socket)
 
     return AsyncEngineArgs(
         model=model_path,
@@ -139,6 +133,7 @@ class VLLMEngine:
         self._background_interval_s = background_stream_interval_s
         self._running: dict[str, _Running] = {}
         self.tokens_generated = 0
+        self.warmed = (0, 0)  # prefixes run before taking traffic, tokens loaded
 
     @classmethod
     def start(
@@ -251,6 +246,8 @@ class VLLMEngine:
             running=self._engine.get_num_unfinished_requests(),
             request_ids=tuple(sorted(self._running)),
             pid=os.getpid(),
+            warmed_prefixes=self.warmed[0],
+            warmed_cached_tokens=self.warmed[1],
         )
 
     def progress(self) -> tuple[RequestProgress, ...]:
@@ -341,6 +338,7 @@ class EngineDeployment:
         except TimeoutError:
             logger.warning("warmup cut short after %.0f s", kv.warmup_timeout_s)
             return
+        self._engine.warmed = (len(jobs), sum(cached))
         logger.info(
             "warmed %d prefixes (%d tokens from the page store) in %.2f s",
             len(jobs),

@@ -71,6 +71,8 @@ class EngineStats:
     running: int  # requests the engine holds (scheduled or waiting)
     request_ids: tuple[str, ...] = field(default=())
     pid: int = 0  # the replica's process; the engine core is its child
+    warmed_prefixes: int = 0  # prefixes run at start, before taking traffic
+    warmed_cached_tokens: int = 0  # of their tokens, those loaded from the store
 
 
 EngineEvent = Started | TokenDelta | Finish

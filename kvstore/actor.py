@@ -293,7 +293,8 @@ def get_or_create_store(
     sync_interval_s: float = 0.5,
     fetch_timeout_s: float = 2.0,
 ) -> Any:
-    """The node's store actor (created on that node if missing), started."""
+    """The node's store actor, created on that node if missing (its ``start``
+    serves the engines and returns their socket)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     handle = (

@@ -19,6 +19,9 @@ import xxhash
 Bytes = npt.NDArray[np.uint8]
 
 
+_CREATED_HERE: set[str] = set()  # segments this process owns (tracked already)
+
+
 class CorruptPage(Exception):
     """A page's bytes no longer match the checksum taken when it was written."""
 
@@ -31,7 +34,9 @@ class Arena:
             raise ValueError("num_pages and page_bytes must be > 0")
         size = num_pages * page_bytes
         self._shm = shared_memory.SharedMemory(name=name, create=create, size=size)
-        if not create:
+        if create:
+            _CREATED_HERE.add(name)
+        elif name not in _CREATED_HERE:
             # Attaching must not make this process's resource tracker unlink the
             # segment at exit: the owner does that.
             resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
@@ -84,6 +89,7 @@ class Arena:
         self._shm.close()
         if self._owner:
             self._shm.unlink()
+            _CREATED_HERE.discard(self.name)
 
 
 def checksum(page: Bytes) -> int:

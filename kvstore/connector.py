@@ -60,6 +60,21 @@ if TYPE_CHECKING:
 logger = logging.getLogger("moe_cluster.kvstore")
 
 
+def transfer_config(socket: str) -> Any:
+    """vLLM's ``kv_transfer_config`` for an engine using the node store at
+    ``socket``."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector=PageStoreConnector.__name__,
+        kv_connector_module_path=__name__,
+        kv_role="kv_both",
+        # A page that fails its checksum is recomputed, never served.
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"socket": socket},
+    )
+
+
 @dataclass
 class StoreMetadata(KVConnectorMetadata):
     # request id -> [(slot, checksum, page hash, block id)] to copy in before the step

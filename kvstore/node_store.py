@@ -85,21 +85,34 @@ HotKey = tuple[str, tuple[int, ...]]  # (tenant salt, token ids of the prefix)
 
 @dataclass
 class HotPrefixes:
-    """How often each prefix was served from the store; the ``limit`` most often
-    seen are kept (a new entry replaces the least seen)."""
+    """How often each stored prefix was served from the store; the ``limit`` most
+    often seen are kept (a new entry replaces the least seen). A prefix whose last
+    page leaves the store is forgotten: warming it up would load nothing."""
 
     limit: int = 256
     counts: Counter[HotKey] = field(default_factory=Counter)
+    _by_page: dict[PageHash, HotKey] = field(default_factory=dict)
 
-    def hit(self, salt: str, tokens: Sequence[int]) -> None:
+    def hit(self, salt: str, tokens: Sequence[int], last_page: PageHash) -> None:
         key = (salt, tuple(tokens))
         if key not in self.counts and len(self.counts) >= self.limit:
             ((least, _),) = self.counts.most_common()[-1:]
-            del self.counts[least]
+            self._forget_key(least)
         self.counts[key] += 1
+        self._by_page[last_page] = key
+
+    def forget(self, page: PageHash) -> None:
+        key = self._by_page.pop(page, None)
+        if key is not None:
+            self.counts.pop(key, None)
 
     def top(self, n: int) -> list[tuple[HotKey, int]]:
         return self.counts.most_common(n)
+
+    def _forget_key(self, key: HotKey) -> None:
+        del self.counts[key]
+        for page in [p for p, k in self._by_page.items() if k == key]:
+            del self._by_page[page]
 
 
 STATS = (
@@ -170,7 +183,7 @@ class NodeStore:
             index.pin(refs)
             self._leases[lease] = refs
             if tokens and block_size:
-                self.hot.hit(salt, tokens[: len(refs) * block_size])
+                self.hot.hit(salt, tokens[: len(refs) * block_size], refs[-1].page_hash)
         self.stats["lookups"] += 1
         self.stats["hit_pages"] += len(refs)
         self.stats["miss_pages"] += len(hashes) - len(refs)
@@ -272,6 +285,7 @@ class NodeStore:
 
     def _removed(self, h: PageHash) -> None:
         self.log.record(False, h)
+        self.hot.forget(h)
 
     def _index(self) -> PageIndex:
         if self.index is None:

@@ -53,8 +53,6 @@ def test_dead_engine_fails_its_streams_opens_its_breaker_and_is_replaced(
             started.release()
 
     # Pages the node's store holds before the replica dies.
-    kept = unique_prompt(6 * 16 + 1)
-    generate(engine_handle, "", kept)
     store = next(iter(kv_actor.stores(served.config.server.app_name).values()))
     store_before = ray.get(store.summary.remote())
 
@@ -77,6 +75,11 @@ def test_dead_engine_fails_its_streams_opens_its_breaker_and_is_replaced(
     for t in readers:
         t.join(60)
         assert not t.is_alive(), "a stream hung after its engine died"
+    # Pages the node's store holds while the replacement starts: served from the
+    # store 4 times, the cluster's hottest prefix.
+    kept = unique_prompt(6 * 16 + 1)
+    for _ in range(5):
+        generate(engine_handle, "", kept)
     for rid in rids:
         if rid in on_victim:
             assert outcomes[rid].get("code") == grpc.StatusCode.UNAVAILABLE, outcomes
@@ -123,7 +126,12 @@ def test_dead_engine_fails_its_streams_opens_its_breaker_and_is_replaced(
     wait_until(routable, 30, "the router to route to the replacement only")
 
     # The node's pages outlived the replica: its replacement loads them.
-    (new,) = set(engine_stats(engine_handle)) - set(before)
+    now = engine_stats(engine_handle)
+    (new,) = set(now) - set(before)
+    # It ran the cluster's hot prefixes (loaded from the store) before traffic...
+    assert now[new].warmed_prefixes >= 1
+    assert now[new].warmed_cached_tokens >= 5 * 16
+    # ... and serves the pages stored before the crash.
     assert generate(engine_handle, new, kept).finish.cached_tokens == 6 * 16
     store_after = ray.get(store.summary.remote())
     assert store_after["node"] == store_before["node"]

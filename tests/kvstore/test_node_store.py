@@ -110,6 +110,8 @@ def test_hot_prefixes_count_hits_and_keep_the_most_seen() -> None:
         top = s.hot.top(5)
         assert top[0] == (("t1", tuple(range(32))), 3)
         assert len(top) == 2 and top[1][0] == ("t2", tuple(range(16)))
+        s.drop([H[1]])  # t1's prefix ended on H1: nothing left to warm up
+        assert [k for k, _ in s.hot.top(5)] == [("t2", tuple(range(16)))]
     finally:
         s.close()
 

@@ -50,13 +50,17 @@ def served(tmp_path: Path) -> Iterator[tuple[NodeStore, str, list[int]]]:
     store.close()
 
 
+def connect(path: str) -> tuple[StoreClient, Arena]:
+    """A client that opened the store, and the arena it maps (as an engine)."""
+    c = StoreClient(path)
+    return c, Arena.attach(*c.call("open", PAGE, "layout"))
+
+
 def test_an_engine_opens_writes_commits_and_finds_pages(
     served: tuple[NodeStore, str, list[int]],
 ) -> None:
     store, path, misses = served
-    c = StoreClient(path)
-    name, num_pages, page_bytes = c.call("open", PAGE, "layout")
-    arena = Arena.attach(name, num_pages, page_bytes)
+    c, arena = connect(path)
     try:
         slots = c.call("reserve", [H[0], H[2]])
         crcs = [arena.write(s, np.full(PAGE, 7, np.uint8)) for s in slots]
@@ -82,9 +86,7 @@ def test_a_dead_engines_pins_and_reservations_are_given_back(
     served: tuple[NodeStore, str, list[int]],
 ) -> None:
     store, path, _ = served
-    c = StoreClient(path)
-    name, num_pages, page_bytes = c.call("open", PAGE, "layout")
-    arena = Arena.attach(name, num_pages, page_bytes)
+    c, arena = connect(path)
     try:
         slot = c.call("reserve", [H[0]])[0]
         c.call("commit", [[slot, arena.write(slot, np.zeros(PAGE, np.uint8))]])

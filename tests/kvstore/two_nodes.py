@@ -114,7 +114,8 @@ class Engine:
 
     def __init__(self, model: str, socket: str) -> None:
         from vllm import LLM
-        from vllm.config import KVTransferConfig
+
+        from kvstore.connector import transfer_config
 
         self.llm = LLM(
             model=model,
@@ -122,13 +123,7 @@ class Engine:
             max_model_len=512,
             kv_cache_memory_bytes=32 << 20,
             enforce_eager=True,
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="PageStoreConnector",
-                kv_connector_module_path="kvstore.connector",
-                kv_role="kv_both",
-                kv_load_failure_policy="recompute",
-                kv_connector_extra_config={"socket": socket},
-            ),
+            kv_transfer_config=transfer_config(socket),
         )
 
     def generate(self, prompt: list[int]) -> tuple[list[int], int, float]:
