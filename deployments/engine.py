@@ -288,11 +288,7 @@ class EngineDeployment:
         loop = asyncio.get_running_loop()
         listener = kv_events.KVEventListener(endpoint)
         if store is not None:
-            self._tasks.append(
-                loop.create_task(
-                    _follow_store(store, listener, config.router.report_interval_s)
-                )
-            )
+            self._tasks.append(loop.create_task(_follow_store(config, store, listener)))
         if endpoint is not None:
             from router import actor
 
@@ -404,30 +400,31 @@ async def _node_store(config: ClusterConfig) -> tuple[Any, str]:
 
 
 async def _follow_store(
-    store: Any, listener: kv_events.KVEventListener, interval_s: float
+    config: ClusterConfig, store: Any, listener: kv_events.KVEventListener
 ) -> None:
-    """Feeds the node store's page changes to the router reports: a replica can
-    serve from cache whatever its node's store holds."""
+    """Feeds the node store's page changes to the router reports (a replica can
+    serve from cache whatever its node's store holds), and starts a new store on
+    the node if this one died: the engines' connectors re-attach to its arena."""
     from router.types import BlockHash, KVEvent
 
     incarnation, seq = "", -1
     while True:
         try:
+            if store is None:
+                store, _ = await _node_store(config)
             inc, changes = await store.changes.remote(incarnation, seq)
             if changes.full:
                 listener.apply([KVEvent("cleared")], kv_events.STORE)
             events = []
             if changes.added:
-                events.append(
-                    KVEvent("stored", tuple(BlockHash(h) for h in changes.added))
-                )
+                added = tuple(BlockHash(h) for h in changes.added)
+                events.append(KVEvent("stored", added))
             if changes.removed:
-                events.append(
-                    KVEvent("removed", tuple(BlockHash(h) for h in changes.removed))
-                )
+                removed = tuple(BlockHash(h) for h in changes.removed)
+                events.append(KVEvent("removed", removed))
             listener.apply(events, kv_events.STORE)
             incarnation, seq = inc, changes.seq
-        except Exception as e:  # the store restarting: resync next time
-            logger.warning("following the node's page store failed: %s", e)
-            incarnation, seq = "", -1
-        await asyncio.sleep(interval_s)
+        except Exception as e:
+            logger.warning("the node's page store failed (%s); starting another", e)
+            store, incarnation, seq = None, "", -1
+        await asyncio.sleep(config.router.report_interval_s)

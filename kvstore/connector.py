@@ -77,8 +77,11 @@ def transfer_config(socket: str) -> Any:
 
 @dataclass
 class StoreMetadata(KVConnectorMetadata):
-    # request id -> [(slot, checksum, page hash, block id)] to copy in before the step
-    loads: dict[str, list[tuple[int, int, bytes, int]]] = field(default_factory=dict)
+    # request id -> (arena the slots are in, [(slot, checksum, page hash, block id)])
+    # to copy in before the step
+    loads: dict[str, tuple[str, list[tuple[int, int, bytes, int]]]] = field(
+        default_factory=dict
+    )
     # [(page hash, block id)] of blocks this step completes
     saves: list[tuple[bytes, int]] = field(default_factory=list)
 
@@ -115,17 +118,22 @@ class PageStoreConnector(KVConnectorBase_V1):
             )
         # scheduler side
         self._requests: dict[str, Request] = {}
-        self._found: dict[str, tuple[int, list[Any]]] = {}  # id -> (skip, refs)
-        self._to_load: dict[str, list[tuple[int, int, bytes, int]]] = {}
+        self._found: dict[str, tuple[int, list[Any], str]] = {}  # (skip, refs, arena)
+        self._to_load: dict[str, tuple[str, list[tuple[int, int, bytes, int]]]] = {}
         self._saved: dict[str, int] = {}  # full blocks already handed to the store
         # worker side
         self._layers: list[_Layer] = []
         self._arena: Arena | None = None
         self._pages: torch.Tensor | None = None  # (num_pages, page_bytes) uint8
+        self._page_bytes, self._layout = 0, ""
+        # Arenas of a store that restarted: still mapped until shutdown, as a
+        # commit in flight may read them.
+        self._retired: list[Arena] = []
         self._load_errors: set[int] = set()
         self._stream: Any = None
-        # (slots written, CUDA event marking the copies done) to checksum + publish
-        self._commits: queue.Queue[tuple[list[int], Any] | None] = queue.Queue()
+        # (arena, slots written, CUDA event marking the copies done) to checksum
+        # and publish
+        self._commits: queue.Queue[tuple[Arena, list[int], Any] | None] = queue.Queue()
         self._committer: threading.Thread | None = None
         self._warned = False
 
@@ -150,7 +158,7 @@ class PageStoreConnector(KVConnectorBase_V1):
         if len(hashes) <= skip:
             return 0, False
         try:
-            refs, pending = self._client.call(
+            refs, pending, arena = self._client.call(
                 "lookup",
                 rid,
                 hashes,
@@ -167,7 +175,7 @@ class PageStoreConnector(KVConnectorBase_V1):
         if len(refs) <= skip:
             self._release(rid)
             return 0, False
-        self._found[rid] = (skip, refs)
+        self._found[rid] = (skip, refs, arena)
         return (len(refs) - skip) * b, False
 
     def update_state_after_alloc(
@@ -180,13 +188,16 @@ class PageStoreConnector(KVConnectorBase_V1):
         if num_external_tokens == 0:
             self._release(rid)
             return
-        skip, refs = found
+        skip, refs, arena = found
         block_ids = blocks.get_block_ids()[0]
-        self._to_load[rid] = [
-            (slot, crc, h, block_ids[i])
-            for i, (slot, h, crc) in enumerate(refs)
-            if i >= skip
-        ]
+        self._to_load[rid] = (
+            arena,
+            [
+                (slot, crc, h, block_ids[i])
+                for i, (slot, h, crc) in enumerate(refs)
+                if i >= skip
+            ],
+        )
         self._saved[rid] = max(self._saved.get(rid, 0), len(refs))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StoreMetadata:
@@ -247,23 +258,47 @@ class PageStoreConnector(KVConnectorBase_V1):
             self._layers.append(_Layer(name, cache, dims[0], offset, nbytes))
             offset += nbytes
         first = next(iter(kv_caches.values()))
-        layout = (
+        self._page_bytes = offset
+        self._layout = (
             f"{self._vllm_config.model_config.served_model_name}|{first.dtype}|"
             f"block {self._block_size}|"
             + ",".join(f"{tuple(x.block(0).shape)}" for x in self._layers)
         )
-        name, num_pages, page_bytes = self._client.call("open", offset, layout)
-        self._arena = Arena.attach(name, num_pages, page_bytes)
-        self._pages = torch.from_numpy(self._arena.pages())
         if first.is_cuda:
-            # Page-locked arena: host<->device copies run asynchronously by DMA.
-            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-            cudart.cudaHostRegister(self._pages.data_ptr(), self._pages.numel(), 0)
             self._stream = torch.cuda.Stream(device=first.device)  # type: ignore[no-untyped-call]
+        self._attach(at_start=True)
         self._committer = threading.Thread(
             target=self._commit_loop, name="kvstore-commit", daemon=True
         )
         self._committer.start()
+
+    def _attach(self, at_start: bool = False) -> str:
+        """Maps the store's current arena: at start, and when the store restarted
+        (its answers then name another arena). Returns the arena's name, or ""
+        when the store cannot be reached (at start, that is an error: so is an
+        engine whose pages differ from those of the store)."""
+        try:
+            name, num_pages, page_bytes = self._client.call(
+                "open", self._page_bytes, self._layout
+            )
+        except StoreError as e:
+            if at_start:
+                raise
+            self._warn(e)
+            return ""
+        name = str(name)
+        if self._arena is not None:
+            if self._arena.name == name:
+                return name
+            logger.warning("page store restarted: mapping its new arena %s", name)
+            self._unpin_pages()
+            self._retired.append(self._arena)
+        self._arena = Arena.attach(name, num_pages, page_bytes)
+        self._pages = torch.from_numpy(self._arena.pages())
+        if self._stream is not None:
+            # Page-locked arena: host<->device copies run asynchronously by DMA.
+            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+            cudart.cudaHostRegister(self._pages.data_ptr(), self._pages.numel(), 0)
         logger.info(
             "page store: %d pages of %d bytes (%d layers) in %s",
             num_pages,
@@ -271,6 +306,20 @@ class PageStoreConnector(KVConnectorBase_V1):
             len(self._layers),
             name,
         )
+        return name
+
+    def _unpin_pages(self) -> None:
+        if self._pages is not None and self._stream is not None:
+            torch.cuda.cudart().cudaHostUnregister(  # type: ignore[no-untyped-call]
+                self._pages.data_ptr()
+            )
+        self._pages = None
+
+    def _arena_is(self, name: str) -> bool:
+        """Whether ``name`` is (after re-attaching if needed) the mapped arena."""
+        if self._arena is not None and self._arena.name == name:
+            return True
+        return bool(name) and self._attach() == name
 
     def _view(self, slot: int, layer: _Layer) -> torch.Tensor:
         assert self._pages is not None
@@ -284,10 +333,15 @@ class PageStoreConnector(KVConnectorBase_V1):
         if self._stream is not None:
             # Saves of the last step read blocks this step may overwrite.
             torch.cuda.current_stream().wait_stream(self._stream)
-        if not meta.loads or self._arena is None:
+        if not meta.loads:
             return
         bad: list[bytes] = []
-        for pages in meta.loads.values():
+        for arena_name, pages in meta.loads.values():
+            if not self._arena_is(arena_name):
+                # The store restarted between lookup and load: recompute.
+                self._load_errors.update(p[3] for p in pages)
+                continue
+            assert self._arena is not None
             for i, (slot, crc, h, block_id) in enumerate(pages):
                 if checksum(self._arena.page(slot)) != crc:
                     # Never serve it: this block and the rest of the prefix are
@@ -324,13 +378,19 @@ class PageStoreConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, StoreMetadata)
-        if not meta.saves or self._pages is None:
+        if not meta.saves or not self._layers:
             return
         try:
-            slots = self._client.call("reserve", [h for h, _ in meta.saves])
+            slots, arena_name = self._client.call("reserve", [h for h, _ in meta.saves])
+            if not self._arena_is(arena_name):
+                self._client.call("abandon", [x for x in slots if x is not None])
+                return
         except StoreError as e:
+            # A store that restarted has no arena until an engine opens it.
             self._warn(e)
+            self._attach()
             return
+        assert self._arena is not None
         written = []
         stream = self._stream
         if stream is not None:
@@ -349,16 +409,15 @@ class PageStoreConnector(KVConnectorBase_V1):
             if stream is not None:
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(stream)
-            self._commits.put((written, event))
+            self._commits.put((self._arena, written, event))
 
     def _commit_loop(self) -> None:
         """Checksums saved pages and publishes them, off the engine's step."""
         while (item := self._commits.get()) is not None:
-            slots, event = item
+            arena, slots, event = item
             if event is not None:
                 event.synchronize()
-            assert self._arena is not None
-            done = [(s, checksum(self._arena.page(s))) for s in slots]
+            done = [(s, checksum(arena.page(s))) for s in slots]
             try:
                 self._client.call("commit", done)
             except StoreError as e:
@@ -373,15 +432,11 @@ class PageStoreConnector(KVConnectorBase_V1):
             self._commits.put(None)
             self._committer.join(timeout=5)
         self._client.close()
-        if self._pages is not None and self._stream is not None:
-            torch.cuda.cudart().cudaHostUnregister(  # type: ignore[no-untyped-call]
-                self._pages.data_ptr()
-            )
-        self._pages = None
+        self._unpin_pages()
         self._layers = []
-        if self._arena is not None:
-            self._arena.close()
-            self._arena = None
+        for arena in [*self._retired, *([self._arena] if self._arena else [])]:
+            arena.close()
+        self._arena, self._retired = None, []
 
     def _warn(self, error: Exception) -> None:
         # A store that is gone costs cache hits, never requests.

@@ -228,6 +228,8 @@ class NodeStore:
     def export(self, hashes: Sequence[PageHash]) -> tuple[list[PageHash], Bytes]:
         """Copies of the stored, intact pages of the longest prefix of ``hashes``
         (one row each); a page that fails its checksum is dropped and ends it."""
+        if self.arena is None:  # no engine opened this store yet: nothing stored
+            return [], np.empty((0, 0), dtype=np.uint8)
         arena, index = self._arena(), self._index()
         refs = index.lookup(hashes)
         out = np.empty((len(refs), arena.page_bytes), dtype=np.uint8)

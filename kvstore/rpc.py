@@ -6,6 +6,8 @@ slots and checksums do, as msgpack frames over a Unix socket, about 50 µs a cal
     frame:    | length: u32 big-endian | msgpack [method, args] |
     answer:   | length | msgpack [true, result] |  or  [false, "message"]
 
+Answers that name slots (``lookup``, ``reserve``) also name the arena they are in.
+
 The server keeps per connection what the connection took: leases it created and
 slots it reserved. A connection that goes away (its engine died) gives them back,
 so a crashed engine never leaves pages pinned or slots half-written.
@@ -54,6 +56,7 @@ class StoreServer:
     ) -> None:
         self.store, self.path, self._on_miss = store, path, on_miss
         self._server: asyncio.AbstractServer | None = None
+        self._open: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder()
 
@@ -63,9 +66,13 @@ class StoreServer:
         self._server = await asyncio.start_unix_server(self._serve, path=self.path)
 
     async def stop(self) -> None:
+        """Stops listening and closes every engine's connection."""
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+        for writer in self._open.values():
+            writer.close()
+        await asyncio.gather(*self._open, return_exceptions=True)
         if os.path.exists(self.path):
             os.unlink(self.path)
 
@@ -73,6 +80,9 @@ class StoreServer:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         conn = _Conn()
+        task = asyncio.current_task()
+        assert task is not None
+        self._open[task] = writer
         try:
             while True:
                 head = await reader.readexactly(_LEN.size)
@@ -92,6 +102,7 @@ class StoreServer:
         except Exception:
             logger.exception("kv store connection failed")
         finally:
+            self._open.pop(task, None)
             self._disconnect(conn)
             writer.close()
 
@@ -115,7 +126,8 @@ class StoreServer:
             if pending:  # asked again once the pages are here: hold nothing
                 s.release(lease)
                 refs = []
-            return [[[r.index, r.page_hash, r.checksum] for r in refs], pending]
+            refs_out = [[r.index, r.page_hash, r.checksum] for r in refs]
+            return [refs_out, pending, self._arena_name()]
         if method == "release":
             for lease in args:
                 s.release(lease)
@@ -124,7 +136,7 @@ class StoreServer:
         if method == "reserve":
             slots = s.reserve([PageHash(h) for h in args[0]])
             conn.reserved.update(x for x in slots if x is not None)
-            return slots
+            return [slots, self._arena_name()]
         if method == "commit":
             written = [(int(slot), int(crc)) for slot, crc in args[0]]
             s.commit(written)
@@ -139,6 +151,11 @@ class StoreServer:
         if method == "summary":
             return s.summary()
         raise StoreError(f"unknown method {method!r}")
+
+    def _arena_name(self) -> str:
+        # Slots are only meaningful in this arena: an engine that maps another
+        # (the store restarted) must attach this one first.
+        return self.store.arena.name if self.store.arena is not None else ""
 
     def _disconnect(self, conn: _Conn) -> None:
         for lease in conn.leases:
@@ -158,16 +175,24 @@ class StoreClient:
         self._dec = msgspec.msgpack.Decoder()
 
     def call(self, method: str, *args: Any) -> Any:
-        body = self._enc.encode([method, list(args)])
+        payload = self._enc.encode([method, list(args)])
+        frame = _LEN.pack(len(payload)) + payload
         with self._lock:
-            try:
-                sock = self._connect()
-                sock.sendall(_LEN.pack(len(body)) + body)
-                (n,) = _LEN.unpack(self._recv(sock, _LEN.size))
-                ok, result = self._dec.decode(self._recv(sock, n))
-            except OSError as e:
-                self.close_locked()
-                raise StoreError(f"kv store at {self.path}: {e}") from e
+            for attempt in (1, 2):
+                reused = self._sock is not None
+                try:
+                    sock = self._connect()
+                    sock.sendall(frame)
+                    (n,) = _LEN.unpack(self._recv(sock, _LEN.size))
+                    ok, result = self._dec.decode(self._recv(sock, n))
+                    break
+                except OSError as e:
+                    self.close_locked()
+                    # A connection kept from a store that has since restarted
+                    # fails on first use: the server never ran the call (or
+                    # undid it when the connection dropped), so try a new one.
+                    if not (reused and attempt == 1):
+                        raise StoreError(f"kv store at {self.path}: {e}") from e
         if not ok:
             raise StoreError(result)
         return result

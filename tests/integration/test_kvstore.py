@@ -244,3 +244,52 @@ def test_the_store_reports_on_the_metrics_endpoint(served: Served) -> None:
         return bool(hits) and any(float(x.split()[-1]) > 0 for x in pages)
 
     wait_until(shown, 60, "page store metrics on Ray's endpoint")
+
+
+def test_the_router_sees_the_pages_each_replica_can_load(
+    served: Served, engine_handle: Any, replicas: tuple[str, str], store: Any
+) -> None:
+    from tests.integration.test_router import router_snapshot
+
+    generate(engine_handle, replicas[0], unique_prompt(4 * BLOCK + 1))
+
+    def in_step() -> dict[str, int] | None:
+        held = ray.get(store.summary.remote())["pages"]
+        snap = router_snapshot(served)["replicas"]
+        seen = {r: snap[r]["cached_blocks"] for r in replicas if r in snap}
+        return seen if set(seen.values()) == {held} else None
+
+    # Both replicas share the node's store, so the router credits both with
+    # every page of it (what the prefix policy scores replicas by).
+    seen = wait_until(in_step, 20, "the router's view to match the node's store")
+    assert min(seen.values()) > 0
+
+
+def test_a_store_that_dies_is_replaced_and_the_engines_reattach(
+    served: Served, engine_handle: Any, replicas: tuple[str, str], store: Any
+) -> None:
+    """Last in this module: it kills the module's store."""
+    a, b = replicas
+    app = served.config.server.app_name
+    ray.kill(store, no_restart=True)
+
+    def replacement() -> Any:
+        stores = kv_actor.stores(app)
+        new = next(iter(stores.values()), None)
+        return new if new is not None and new._actor_id != store._actor_id else None
+
+    new = wait_until(replacement, 30, "a replica to start a new store on the node")
+
+    def saved_again() -> list[int] | None:
+        prompt = unique_prompt(4 * BLOCK + 1)
+        generate(engine_handle, a, prompt)
+        stored = pages(new, prompt).shape[0]
+        return prompt if stored == 4 else None
+
+    # A's engine re-attaches to the new arena (the first step after the restart
+    # opens it) and saves there; B's engine loads from it.
+    prompt = wait_until(saved_again, 30, "pages saved into the new store")
+    first = generate(engine_handle, a, prompt)
+    run = generate(engine_handle, b, prompt)
+    assert run.finish.cached_tokens == 4 * BLOCK
+    assert run.tokens == first.tokens

@@ -7,6 +7,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -62,13 +63,15 @@ def test_an_engine_opens_writes_commits_and_finds_pages(
     store, path, misses = served
     c, arena = connect(path)
     try:
-        slots = c.call("reserve", [H[0], H[2]])
+        slots, name = c.call("reserve", [H[0], H[2]])
+        assert name == arena.name
         crcs = [arena.write(s, np.full(PAGE, 7, np.uint8)) for s in slots]
         c.call("commit", list(zip(slots, crcs, strict=True)))
-        refs, pending = c.call("lookup", "r1", [H[0], H[3]], "", [], 16, True)
+        refs, pending, name = c.call("lookup", "r1", [H[0], H[3]], "", [], 16, True)
+        assert name == arena.name
         assert [r[1] for r in refs] == [H[0]] and not pending  # nobody has H3
         assert misses == [1]
-        refs, pending = c.call("lookup", "r2", [H[0], H[1]], "", [], 16, True)
+        refs, pending, _ = c.call("lookup", "r2", [H[0], H[1]], "", [], 16, True)
         assert refs == [] and pending  # fetching: nothing held meanwhile
         assert store.summary()["leases"] == 1
         c.call("release", "r1")
@@ -88,7 +91,7 @@ def test_a_dead_engines_pins_and_reservations_are_given_back(
     store, path, _ = served
     c, arena = connect(path)
     try:
-        slot = c.call("reserve", [H[0]])[0]
+        slot = c.call("reserve", [H[0]])[0][0]
         c.call("commit", [[slot, arena.write(slot, np.zeros(PAGE, np.uint8))]])
         c.call("lookup", "r", [H[0]], "", [], 16, False)
         c.call("reserve", [H[1], H[2], H[3]])  # never committed
@@ -99,7 +102,7 @@ def test_a_dead_engines_pins_and_reservations_are_given_back(
             threading.Event().wait(0.02)
         assert store.summary()["leases"] == 0
         other = StoreClient(path)
-        assert None not in other.call("reserve", [H[4], H[5], H[6]])
+        assert None not in other.call("reserve", [H[4], H[5], H[6]])[0]
         other.close()
     finally:
         arena.close()
@@ -108,3 +111,40 @@ def test_a_dead_engines_pins_and_reservations_are_given_back(
 def test_an_unreachable_store_is_a_store_error(tmp_path: Path) -> None:
     with pytest.raises(StoreError):
         StoreClient(str(tmp_path / "none.sock")).call("summary")
+
+
+def test_a_client_reconnects_to_a_store_that_restarted(tmp_path: Path) -> None:
+    path = str(tmp_path / "store.sock")
+
+    def serve() -> tuple[NodeStore, StoreServer, asyncio.AbstractEventLoop]:
+        store = NodeStore(f"moe-test-{uuid.uuid4().hex[:8]}", 4 * PAGE)
+        server = StoreServer(store, path)
+        loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            loop.run_until_complete(server.start())
+            started.set()
+            loop.run_forever()
+
+        threading.Thread(target=run, daemon=True).start()
+        assert started.wait(5)
+        return store, server, loop
+
+    def stop(store: NodeStore, server: StoreServer, loop: Any) -> None:
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(5)
+        loop.call_soon_threadsafe(loop.stop)
+        store.close()
+
+    first = serve()
+    c = StoreClient(path)
+    name1 = c.call("open", PAGE, "layout")[0]
+    stop(*first)
+    second = serve()
+    try:
+        name2 = c.call("open", PAGE, "layout")[0]  # the old connection is dead
+        assert name2 != name1
+    finally:
+        c.close()
+        stop(*second)

@@ -60,13 +60,13 @@ def main() -> None:
     a2 = Arena.attach(*c2.call("open", PAGE, "tiny"))
     hashes = list(block_hashes(list(range(PAGES * 16 + 1)), 16))
     rows = np.random.default_rng(0).integers(0, 255, (PAGES, PAGE), dtype=np.uint8)
-    slots = c1.call("reserve", hashes)
+    slots, _ = c1.call("reserve", hashes)
     c1.call("commit", [[s, a1.write(s, rows[i])] for i, s in enumerate(slots)])
 
     t0 = time.monotonic()
     waits = 0
     while True:
-        refs, pending = c2.call("lookup", "req", hashes, "", [], 16, True)
+        refs, pending, _ = c2.call("lookup", "req", hashes, "", [], 16, True)
         if refs or (not pending and time.monotonic() - t0 > 10):
             break
         waits += pending
