@@ -68,12 +68,13 @@ LAYOUTS = {  # label -> (layers, tokens per block, dtype)
 
 
 def measure_connector(layers: int, tokens: int, dtype: str) -> float:
-    """GB/s of the connector's own load: xxh3 of the page in place, then one copy
-    per layer into that layer's paged cache (blocks scattered at random), as
-    ``PageStoreConnector.start_load_kv`` does on CPU."""
+    """GB/s of the connector's own load on CPU: xxh3 of the page in place, then
+    its ``PageLayer`` copies into each layer's paged cache (blocks scattered at
+    random), as ``PageStoreConnector.start_load_kv`` does."""
     import torch
 
     from kvstore.arena import checksum
+    from kvstore.connector import PageLayer
 
     dt = getattr(torch, dtype)
     block_bytes = tokens * 576 * dt.itemsize
@@ -81,34 +82,34 @@ def measure_connector(layers: int, tokens: int, dtype: str) -> float:
     pages = max(4, TOTAL_BYTES // page_bytes // 4)
     arena = Arena.create(f"moe-perf-{uuid.uuid4().hex[:8]}", pages, page_bytes)
     try:
+        rng = np.random.default_rng(0)
         crcs = [
-            arena.write(
-                i, np.random.default_rng(i).integers(0, 255, page_bytes, np.uint8)
+            arena.write(i, rng.integers(0, 255, page_bytes, np.uint8))
+            for i in range(pages)
+        ]
+        cache_layers = [
+            PageLayer(
+                f"layer.{j}",
+                torch.zeros((pages * 2, 1, tokens, 576), dtype=dt),
+                0,
+                j * block_bytes,
             )
-            for i in range(pages)
+            for j in range(layers)
         ]
-        host = torch.from_numpy(arena.pages())
-        caches = [
-            torch.zeros((pages * 2, 1, tokens, 576), dtype=dt) for _ in range(layers)
-        ]
-        blocks = np.random.default_rng(0).permutation(pages * 2)[:pages].tolist()
-        views = [
-            [
-                host[i, j * block_bytes : (j + 1) * block_bytes]
-                .view(dt)
-                .view(1, tokens, 576)
-                for j in range(layers)
-            ]
-            for i in range(pages)
-        ]
+        blocks = rng.permutation(pages * 2)[:pages].tolist()
         t = time.perf_counter()
         for _ in range(2):
             for i in range(pages):
-                assert checksum(arena.page(i)) == crcs[i]
-                for j in range(layers):
-                    caches[j][blocks[i]].copy_(views[i][j])
+                page = arena.page(i)
+                assert checksum(page) == crcs[i]
+                for layer in cache_layers:
+                    layer.load(page, blocks[i])
         rate = _rate(2 * pages * page_bytes, time.perf_counter() - t)
-        del host, views
+        # What was loaded is the page, byte for byte.
+        last = cache_layers[-1].block(blocks[-1]).contiguous().view(torch.uint8)
+        tail = arena.page(pages - 1)[(layers - 1) * block_bytes :]
+        assert np.array_equal(last.numpy().reshape(-1), tail)
+        del page, tail  # views into the arena: it closes below
         return rate
     finally:
         arena.close()
