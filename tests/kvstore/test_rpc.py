@@ -21,9 +21,34 @@ H = [PageHash(bytes([i]) * 32) for i in range(8)]
 PAGE = 128
 
 
+class Running:
+    """A node store served on its own event loop thread, as the store actor does."""
+
+    def __init__(self, path: str, on_miss: Any = None) -> None:
+        self.store = NodeStore(f"moe-test-{uuid.uuid4().hex[:8]}", 4 * PAGE)
+        self.server = StoreServer(self.store, path, on_miss)
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.loop.run_until_complete(self.server.start())
+            started.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        assert started.wait(5)
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.store.close()
+
+
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[tuple[NodeStore, str, list[int]]]:
-    store = NodeStore(f"moe-test-{uuid.uuid4().hex[:8]}", 4 * PAGE)
     misses: list[int] = []
 
     def on_miss(hashes: list[PageHash], first: int) -> bool:
@@ -31,24 +56,9 @@ def served(tmp_path: Path) -> Iterator[tuple[NodeStore, str, list[int]]]:
         return hashes[first] == H[1]  # pretend another node holds H1
 
     path = str(tmp_path / "store.sock")
-    server = StoreServer(store, path, on_miss)
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(server.start())
-        ready.set()
-        loop.run_forever()
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    assert ready.wait(5)
-    yield store, path, misses
-    asyncio.run_coroutine_threadsafe(server.stop(), loop).result(5)
-    loop.call_soon_threadsafe(loop.stop)
-    t.join(5)
-    store.close()
+    running = Running(path, on_miss)
+    yield running.store, path, misses
+    running.stop()
 
 
 def connect(path: str) -> tuple[StoreClient, Arena]:
@@ -115,36 +125,14 @@ def test_an_unreachable_store_is_a_store_error(tmp_path: Path) -> None:
 
 def test_a_client_reconnects_to_a_store_that_restarted(tmp_path: Path) -> None:
     path = str(tmp_path / "store.sock")
-
-    def serve() -> tuple[NodeStore, StoreServer, asyncio.AbstractEventLoop]:
-        store = NodeStore(f"moe-test-{uuid.uuid4().hex[:8]}", 4 * PAGE)
-        server = StoreServer(store, path)
-        loop = asyncio.new_event_loop()
-        started = threading.Event()
-
-        def run() -> None:
-            asyncio.set_event_loop(loop)
-            loop.run_until_complete(server.start())
-            started.set()
-            loop.run_forever()
-
-        threading.Thread(target=run, daemon=True).start()
-        assert started.wait(5)
-        return store, server, loop
-
-    def stop(store: NodeStore, server: StoreServer, loop: Any) -> None:
-        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(5)
-        loop.call_soon_threadsafe(loop.stop)
-        store.close()
-
-    first = serve()
+    first = Running(path)
     c = StoreClient(path)
     name1 = c.call("open", PAGE, "layout")[0]
-    stop(*first)
-    second = serve()
+    first.stop()
+    second = Running(path)
     try:
         name2 = c.call("open", PAGE, "layout")[0]  # the old connection is dead
         assert name2 != name1
     finally:
         c.close()
-        stop(*second)
+        second.stop()
