@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -44,6 +46,24 @@ def store_name(app: str, node_id: NodeId) -> str:
 
 def socket_path(app: str, node_id: NodeId) -> str:
     return f"/tmp/moe-cluster-kv-{app}-{node_id[:16]}.sock"
+
+
+def arena_prefix(app: str, node_id: NodeId) -> str:
+    """Shared-memory name of the app's arenas on a node, up to the incarnation."""
+    return f"moe-kv-{hashlib.sha1(app.encode()).hexdigest()[:8]}-{node_id[:12]}"
+
+
+def _unlink_stale_arenas(prefix: str) -> None:
+    """Removes the arenas of this node's earlier stores of the app. A store that
+    was killed (not shut down) leaves its segment behind, holding its memory;
+    one store runs per app and node, so any such segment is its predecessor's.
+    Engines still mapping one keep their mapping until they let go of it."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        return
+    for stale in shm.glob(f"{prefix}-*"):
+        logger.warning("removing the arena of a store that died: %s", stale.name)
+        stale.unlink(missing_ok=True)
 
 
 class KVDirectoryActor:
@@ -93,8 +113,9 @@ class NodeStoreActor:
     ) -> None:
         self.app, self.node_id = app, node_id
         self.incarnation = uuid.uuid4().hex
-        arena = f"moe-kv-{node_id[:12]}-{self.incarnation[:8]}"
-        self.store = NodeStore(arena, capacity_bytes)
+        prefix = arena_prefix(app, node_id)
+        _unlink_stale_arenas(prefix)
+        self.store = NodeStore(f"{prefix}-{self.incarnation[:8]}", capacity_bytes)
         self.mirror = Directory()  # the cluster's directory as last synced
         self._mirror_from = ("", -1)  # directory incarnation, seq
         self.server = StoreServer(
@@ -203,7 +224,8 @@ class NodeStoreActor:
         return self.store.export(hashes)
 
     def summary(self) -> dict[str, Any]:
-        return {"node": self.node_id, **self.store.summary()}
+        arena = self.store.arena.name if self.store.arena is not None else ""
+        return {"node": self.node_id, "arena": arena, **self.store.summary()}
 
     def page_hashes(self) -> list[PageHash]:
         return self.store.page_hashes()

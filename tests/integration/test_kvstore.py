@@ -168,10 +168,8 @@ def test_the_arena_stays_within_its_bound_and_evicts_least_recently_used(
     capacity = served.config.kvstore.capacity_bytes
     summary = ray.get(store.summary.remote())
     assert summary["num_pages"] * summary["page_bytes"] <= capacity
-    shm = Path("/dev/shm")
-    arenas = [p for p in shm.glob("moe-kv-*")] if shm.exists() else []
-    for arena in arenas:
-        assert arena.stat().st_size <= capacity
+    # The shared-memory segment itself: what the node actually gives the store.
+    assert (Path("/dev/shm") / summary["arena"]).stat().st_size <= capacity
     prompts = [unique_prompt(31 * BLOCK + 1) for _ in range(8)]  # 248 pages > 200
     for prompt in prompts:
         generate(engine_handle, a, prompt, n=1)
@@ -271,6 +269,8 @@ def test_a_store_that_dies_is_replaced_and_the_engines_reattach(
     """Last in this module: it kills the module's store."""
     a, b = replicas
     app = served.config.server.app_name
+    old_arena = Path("/dev/shm") / ray.get(store.summary.remote())["arena"]
+    assert old_arena.exists()
     ray.kill(store, no_restart=True)
 
     def replacement() -> Any:
@@ -279,6 +279,9 @@ def test_a_store_that_dies_is_replaced_and_the_engines_reattach(
         return new if new is not None and new._actor_id != store._actor_id else None
 
     new = wait_until(replacement, 30, "a replica to start a new store on the node")
+    # The killed store could not unlink its arena; its successor did.
+    ray.get(new.summary.remote())  # constructed
+    assert not old_arena.exists()
 
     def saved_again() -> list[int] | None:
         prompt = unique_prompt(4 * BLOCK + 1)
