@@ -236,6 +236,28 @@ class VLLMEngine:
                 cached = out.num_cached_tokens or 0
         return cached
 
+    async def warm(
+        self, prompts: list[tuple[list[int] | None, str, str]], timeout_s: float
+    ) -> None:
+        """Prefills (token ids or text, tenant) prompts before the replica takes
+        traffic; ``warmed`` records how many ran and the tokens they loaded."""
+        if not prompts:
+            return
+        t = time.monotonic()
+        jobs = [self.prefill(ids, text, tenant) for ids, text, tenant in prompts]
+        try:
+            cached = await asyncio.wait_for(asyncio.gather(*jobs), timeout_s)
+        except TimeoutError:
+            logger.warning("warmup cut short after %.0f s", timeout_s)
+            return
+        self.warmed = (len(jobs), sum(cached))
+        logger.info(
+            "warmed %d prefixes (%d tokens from the page store) in %.2f s",
+            len(jobs),
+            sum(cached),
+            time.monotonic() - t,
+        )
+
     async def check_health(self) -> None:
         """Raises when the engine core is dead."""
         await self._engine.check_health()
@@ -316,31 +338,14 @@ class EngineDeployment:
         from kvstore import actor as kv_actor
 
         kv = config.kvstore
-        jobs = [
-            self._engine.prefill(text=p.text, tenant=p.tenant)
-            for p in kv.warmup_prompts
+        prompts: list[tuple[list[int] | None, str, str]] = [
+            (None, p.text, p.tenant) for p in kv.warmup_prompts
         ]
         if kv.warmup_hot_prefixes:
             d = kv_actor.directory(config.server.app_name)
             hot = await d.hottest.remote(kv.warmup_hot_prefixes)
-            jobs += [
-                self._engine.prefill(list(tokens), tenant=salt) for salt, tokens in hot
-            ]
-        if not jobs:
-            return
-        t = time.monotonic()
-        try:
-            cached = await asyncio.wait_for(asyncio.gather(*jobs), kv.warmup_timeout_s)
-        except TimeoutError:
-            logger.warning("warmup cut short after %.0f s", kv.warmup_timeout_s)
-            return
-        self._engine.warmed = (len(jobs), sum(cached))
-        logger.info(
-            "warmed %d prefixes (%d tokens from the page store) in %.2f s",
-            len(jobs),
-            sum(cached),
-            time.monotonic() - t,
-        )
+            prompts += [(list(tokens), "", salt) for salt, tokens in hot]
+        await self._engine.warm(prompts, kv.warmup_timeout_s)
 
     async def prefill(self, tokens: list[int], tenant: str = "") -> int:
         """Runs a prompt for one token (its pages are loaded or computed and
@@ -388,13 +393,10 @@ async def _node_store(config: ClusterConfig) -> tuple[Any, str]:
 
     from kvstore import actor as kv_actor
 
-    kv = config.kvstore
     store = kv_actor.get_or_create_store(
         config.server.app_name,
         ray.get_runtime_context().get_node_id(),
-        kv.capacity_bytes,
-        kv.sync_interval_s,
-        kv.fetch_timeout_s,
+        config.kvstore,
     )
     return store, await store.start.remote()
 

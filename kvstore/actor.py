@@ -20,13 +20,14 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 import ray
 
+from cluster.config import KVStoreConfig
 from kvstore.directory import Directory, Entry, NodeId
 from kvstore.node_store import Changes, HotKey, NodeStore
 from kvstore.page_store import PageHash
@@ -92,36 +93,26 @@ class KVDirectoryActor:
     def hottest(self, n: int) -> list[HotKey]:
         return self.directory.hottest(n)
 
-    def nodes(self) -> list[NodeId]:
-        return self.directory.nodes()
-
     def summary(self) -> dict[str, int]:
         return self.directory.summary()
 
-    def forget(self, node: NodeId) -> None:
-        self.directory.forget(node)
-
 
 class NodeStoreActor:
-    def __init__(
-        self,
-        app: str,
-        node_id: NodeId,
-        capacity_bytes: int,
-        sync_interval_s: float = 0.5,
-        fetch_timeout_s: float = 2.0,
-    ) -> None:
-        self.app, self.node_id = app, node_id
+    def __init__(self, app: str, node_id: NodeId, config: KVStoreConfig) -> None:
+        self.app, self.node_id, self.config = app, node_id, config
         self.incarnation = uuid.uuid4().hex
         prefix = arena_prefix(app, node_id)
         _unlink_stale_arenas(prefix)
-        self.store = NodeStore(f"{prefix}-{self.incarnation[:8]}", capacity_bytes)
+        self.store = NodeStore(
+            f"{prefix}-{self.incarnation[:8]}", config.capacity_bytes
+        )
         self.mirror = Directory()  # the cluster's directory as last synced
         self._mirror_from = ("", -1)  # directory incarnation, seq
         self.server = StoreServer(
-            self.store, socket_path(app, node_id), on_miss=self._on_miss
+            self.store,
+            socket_path(app, node_id),
+            on_miss=self._on_miss if config.fetch else None,
         )
-        self._sync_s, self._fetch_timeout_s = sync_interval_s, fetch_timeout_s
         self._fetching: dict[PageHash, asyncio.Task[int]] = {}
         self._settled: dict[PageHash, float] = {}  # fetch ended: don't retry at once
         self._started = False
@@ -145,7 +136,7 @@ class NodeStoreActor:
                 await self.sync()
             except Exception as e:  # the directory restarting: try again next time
                 logger.warning("kv directory sync failed: %s", e)
-            await asyncio.sleep(self._sync_s)
+            await asyncio.sleep(self.config.sync_interval_s)
 
     async def sync(self) -> None:
         """Publishes this node's changes and mirrors the directory (once)."""
@@ -173,13 +164,10 @@ class NodeStoreActor:
         settled = self._settled.get(key)
         if settled is not None and time.monotonic() - settled < 5.0:
             return False  # just fetched (or failed): answer from what is here
-        found = self.mirror.locate(hashes[first_missing:], exclude=self.node_id)
-        if found is None or self.store.arena is None:
+        fetch = self._fetch_from_peer(hashes[first_missing:])
+        if fetch is None:
             return False
-        node, n = found
-        task = asyncio.get_running_loop().create_task(
-            self._fetch(node, list(hashes[first_missing : first_missing + n]))
-        )
+        task = asyncio.get_running_loop().create_task(fetch)
         self._fetching[key] = task
         task.add_done_callback(lambda _: self._fetch_done(key))
         return True
@@ -191,13 +179,24 @@ class NodeStoreActor:
             cutoff = time.monotonic() - 5.0
             self._settled = {k: t for k, t in self._settled.items() if t > cutoff}
 
+    def _fetch_from_peer(
+        self, missing: Sequence[PageHash]
+    ) -> Coroutine[Any, Any, int] | None:
+        """Fetching the longest run of ``missing`` another node holds (as the
+        directory was last mirrored), or None when no other node holds its first."""
+        found = self.mirror.locate(missing, exclude=self.node_id)
+        if found is None or self.store.arena is None:
+            return None
+        node, n = found
+        return self._fetch(node, list(missing[:n]))
+
     async def _fetch(self, node: NodeId, hashes: list[PageHash]) -> int:
         try:
             remote = ray.get_actor(store_name(self.app, node), namespace=NAMESPACE)
             got: list[PageHash]
             pages: np.ndarray
             got, pages = await asyncio.wait_for(
-                remote.export.remote(hashes), self._fetch_timeout_s
+                remote.export.remote(hashes), self.config.fetch_timeout_s
             )
             n = self.store.import_pages(got, pages)
             logger.info("fetched %d pages from node %s", n, node[:12])
@@ -209,13 +208,12 @@ class NodeStoreActor:
     async def pull(self, hashes: list[PageHash]) -> int:
         """Makes the longest prefix of ``hashes`` local (fetching what another node
         holds); returns how many pages of it are here now."""
-        have = len(self.store.index.lookup(hashes)) if self.store.index else 0
+        have = self.store.held(hashes)
         if have < len(hashes):
             await self.sync()
-            found = self.mirror.locate(hashes[have:], exclude=self.node_id)
-            if found is not None and self.store.arena is not None:
-                await self._fetch(found[0], hashes[have : have + found[1]])
-                have = len(self.store.index.lookup(hashes)) if self.store.index else 0
+            if (fetch := self._fetch_from_peer(hashes[have:])) is not None:
+                await fetch
+                have = self.store.held(hashes)
         return have
 
     # -- what other nodes and operators call ------------------------------------
@@ -226,9 +224,6 @@ class NodeStoreActor:
     def summary(self) -> dict[str, Any]:
         arena = self.store.arena.name if self.store.arena is not None else ""
         return {"node": self.node_id, "arena": arena, **self.store.summary()}
-
-    def page_hashes(self) -> list[PageHash]:
-        return self.store.page_hashes()
 
     def changes(self, incarnation: str, since: int) -> tuple[str, Changes[PageHash]]:
         """Page changes after ``since`` of the store ``incarnation`` (everything,
@@ -308,13 +303,7 @@ def directory(app: str) -> Any:
     )
 
 
-def get_or_create_store(
-    app: str,
-    node_id: NodeId,
-    capacity_bytes: int,
-    sync_interval_s: float = 0.5,
-    fetch_timeout_s: float = 2.0,
-) -> Any:
+def get_or_create_store(app: str, node_id: NodeId, config: KVStoreConfig) -> Any:
     """The node's store actor, created on that node if missing (its ``start``
     serves the engines and returns their socket)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -330,7 +319,7 @@ def get_or_create_store(
             max_concurrency=1000,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         )
-        .remote(app, node_id, capacity_bytes, sync_interval_s, fetch_timeout_s)
+        .remote(app, node_id, config)
     )
     directory(app)
     return handle

@@ -147,7 +147,6 @@ class PageStoreConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         extra = self._kv_transfer_config.kv_connector_extra_config
         self._client = StoreClient(str(extra["socket"]))
-        self._fetch = bool(extra.get("fetch", True))
         self._block_size = vllm_config.cache_config.block_size
         self._num_blocks = kv_cache_config.num_blocks if kv_cache_config else 0
         if vllm_config.parallel_config.tensor_parallel_size > 1:
@@ -163,7 +162,7 @@ class PageStoreConnector(KVConnectorBase_V1):
         # worker side
         self._layers: list[PageLayer] = []
         self._arena: Arena | None = None
-        self._pages: torch.Tensor | None = None  # (num_pages, page_bytes) uint8
+        self._registered: torch.Tensor | None = None  # the arena, page-locked (CUDA)
         self._page_bytes, self._layout = 0, ""
         # Arenas of a store that restarted: still mapped until shutdown, as a
         # commit in flight may read them.
@@ -186,7 +185,7 @@ class PageStoreConnector(KVConnectorBase_V1):
     ) -> tuple[int | None, bool]:
         rid, b = request.request_id, self._block_size
         full = (request.num_prompt_tokens - 1) // b  # one prompt token is computed
-        hashes = [bytes(h) for h in request.block_hashes[:full]]
+        hashes = request.block_hashes[:full]
         skip = num_computed_tokens // b
         found = self._found.get(rid)
         if found is not None and found[0] == skip:
@@ -202,9 +201,8 @@ class PageStoreConnector(KVConnectorBase_V1):
                 rid,
                 hashes,
                 request.cache_salt or "",
-                list(request.prompt_token_ids or ())[: full * b],
+                (request.prompt_token_ids or [])[: full * b],
                 b,
-                self._fetch,
             )
         except StoreError as e:
             self._warn(e)
@@ -256,7 +254,7 @@ class PageStoreConnector(KVConnectorBase_V1):
                 continue
             block_ids = manager.get_block_ids(rid)[0]
             meta.saves += [
-                (bytes(req.block_hashes[i]), block_ids[i]) for i in range(start, done)
+                (req.block_hashes[i], block_ids[i]) for i in range(start, done)
             ]
             self._saved[rid] = done
         return meta
@@ -329,14 +327,15 @@ class PageStoreConnector(KVConnectorBase_V1):
             if self._arena.name == name:
                 return name
             logger.warning("page store restarted: mapping its new arena %s", name)
-            self._unpin_pages()
+            self._unregister_arena()
             self._retired.append(self._arena)
         self._arena = Arena.attach(name, num_pages, page_bytes)
-        self._pages = torch.from_numpy(self._arena.pages())
         if self._stream is not None:
             # Page-locked arena: host<->device copies run asynchronously by DMA.
+            pages = torch.from_numpy(self._arena.pages())
             cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-            cudart.cudaHostRegister(self._pages.data_ptr(), self._pages.numel(), 0)
+            cudart.cudaHostRegister(pages.data_ptr(), pages.numel(), 0)
+            self._registered = pages
         logger.info(
             "page store: %d pages of %d bytes (%d layers) in %s",
             num_pages,
@@ -346,12 +345,12 @@ class PageStoreConnector(KVConnectorBase_V1):
         )
         return name
 
-    def _unpin_pages(self) -> None:
-        if self._pages is not None and self._stream is not None:
+    def _unregister_arena(self) -> None:
+        if self._registered is not None:
             torch.cuda.cudart().cudaHostUnregister(  # type: ignore[no-untyped-call]
-                self._pages.data_ptr()
+                self._registered.data_ptr()
             )
-        self._pages = None
+        self._registered = None
 
     def _arena_is(self, name: str) -> bool:
         """Whether ``name`` is (after re-attaching if needed) the mapped arena."""
@@ -375,13 +374,13 @@ class PageStoreConnector(KVConnectorBase_V1):
                 continue
             assert self._arena is not None
             for i, (slot, crc, h, block_id) in enumerate(pages):
-                if checksum(self._arena.page(slot)) != crc:
+                page = self._arena.page(slot)
+                if checksum(page) != crc:
                     # Never serve it: this block and the rest of the prefix are
                     # recomputed by vLLM.
                     bad.append(h)
                     self._load_errors.update(p[3] for p in pages[i:])
                     break
-                page = self._arena.page(slot)
                 for layer in self._layers:
                     layer.load(page, block_id, non_blocking=self._stream is not None)
         if self._stream is not None:
@@ -462,7 +461,7 @@ class PageStoreConnector(KVConnectorBase_V1):
             self._commits.put(None)
             self._committer.join(timeout=5)
         self._client.close()
-        self._unpin_pages()
+        self._unregister_arena()
         self._layers = []
         for arena in [*self._retired, *([self._arena] if self._arena else [])]:
             arena.close()

@@ -100,9 +100,6 @@ class Directory:
                 total[key] += count
         return [key for key, _ in total.most_common(n)]
 
-    def nodes(self) -> list[NodeId]:
-        return sorted(self._by_node)
-
     def summary(self) -> dict[str, int]:
         return {node: len(hs) for node, hs in sorted(self._by_node.items())}
 

@@ -10,8 +10,8 @@ a Unix socket, see ``rpc``) and to other nodes (over Ray). It adds to ``PageInde
   (``changes``), with a full resend when a reader has fallen too far behind;
 - **hot prefixes**: the token prefixes (with their tenant salt) that were served
   from the store most often, which new replicas warm up with;
-- **export / import** of pages between nodes, each page checked on the way out and
-  again on the way in.
+- **export / import** of pages between nodes (an exported page is checked against
+  its checksum; the importing node checksums what it writes).
 
 No Ray, no vLLM, no sockets: unit-tested on its own.
 """
@@ -25,7 +25,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from kvstore.arena import Arena, Bytes, CorruptPage, checksum
+from kvstore.arena import Arena, Bytes, CorruptPage
 from kvstore.page_store import PageHash, PageIndex, PageRef
 
 T = TypeVar("T")
@@ -82,6 +82,10 @@ class ChangeLog(Generic[T]):
 
 HotKey = tuple[str, tuple[int, ...]]  # (tenant salt, token ids of the prefix)
 
+# (hashes, first missing position) -> True when the missing pages are being
+# fetched from another node and the caller should ask again shortly.
+MissHook = Callable[[Sequence[PageHash], int], bool]
+
 
 @dataclass
 class HotPrefixes:
@@ -96,8 +100,7 @@ class HotPrefixes:
     def hit(self, salt: str, tokens: Sequence[int], last_page: PageHash) -> None:
         key = (salt, tuple(tokens))
         if key not in self.counts and len(self.counts) >= self.limit:
-            ((least, _),) = self.counts.most_common()[-1:]
-            self._forget_key(least)
+            self._forget_key(min(self.counts, key=self.counts.__getitem__))
         self.counts[key] += 1
         self._by_page[last_page] = key
 
@@ -173,12 +176,23 @@ class NodeStore:
         salt: str = "",
         tokens: Sequence[int] = (),
         block_size: int = 0,
-    ) -> list[PageRef]:
+        on_miss: MissHook | None = None,
+    ) -> list[PageRef] | None:
         """The stored pages of the longest prefix of ``hashes``, pinned under
-        ``lease`` (replacing what the lease held) until ``release``."""
+        ``lease`` (replacing what the lease held) until ``release``.
+
+        None when ``on_miss`` (told the hashes and the first missing position)
+        answers that the missing pages are being fetched: nothing is pinned or
+        counted then, and the caller asks again later."""
         index = self._index()
         self.release(lease)
         refs = index.lookup(hashes)
+        if (
+            len(refs) < len(hashes)
+            and on_miss is not None
+            and on_miss(hashes, len(refs))
+        ):
+            return None
         if refs:
             index.pin(refs)
             self._leases[lease] = refs
@@ -188,6 +202,10 @@ class NodeStore:
         self.stats["hit_pages"] += len(refs)
         self.stats["miss_pages"] += len(hashes) - len(refs)
         return refs
+
+    def held(self, hashes: Sequence[PageHash]) -> int:
+        """How many pages of the longest prefix of ``hashes`` are stored."""
+        return len(self.index.lookup(hashes)) if self.index is not None else 0
 
     def release(self, lease: str) -> None:
         refs = self._leases.pop(lease, None)
@@ -260,9 +278,6 @@ class NodeStore:
         self.stats["imported_pages"] += len(written)
         return len(written)
 
-    def page_hashes(self) -> list[PageHash]:
-        return self._hashes()
-
     def summary(self) -> dict[str, int]:
         index = self.index
         return {
@@ -298,8 +313,3 @@ class NodeStore:
         if self.arena is None:
             raise RuntimeError("the store has no arena yet: an engine opens it first")
         return self.arena
-
-
-def verify(arena: Arena, ref: PageRef) -> bool:
-    """Whether a page's bytes still match its checksum (read in place)."""
-    return checksum(arena.page(ref.index)) == ref.checksum

@@ -21,23 +21,18 @@ import os
 import socket
 import struct
 import threading
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-from kvstore.node_store import NodeStore
+from kvstore.node_store import MissHook, NodeStore
 from kvstore.page_store import PageHash
 
 logger = logging.getLogger("moe_cluster.kvstore")
 
 _LEN = struct.Struct(">I")
 MAX_FRAME = 64 << 20
-
-# (hashes, first missing position) -> True when a fetch from another node started
-# and the caller should ask again shortly.
-MissHook = Callable[[Sequence[PageHash], int], bool]
 
 
 class StoreError(Exception):
@@ -111,23 +106,16 @@ class StoreServer:
         if method == "open":
             info = s.open(int(args[0]), str(args[1]))
             return [info.name, info.num_pages, info.page_bytes]
-        if method == "lookup":
-            lease, hashes, salt, tokens, block_size, fetch = args
+        if method == "lookup":  # -> [refs, pending, arena]
+            lease, hashes, salt, tokens, block_size = args
             hashes = [PageHash(h) for h in hashes]
-            refs = s.lookup(lease, hashes, salt, tokens, block_size)
+            refs = s.lookup(lease, hashes, salt, tokens, block_size, self._on_miss)
+            if refs is None:  # being fetched: asked again once the pages are here
+                return [[], True, self._arena_name()]
             if refs:
                 conn.leases.add(lease)
-            pending = bool(
-                fetch
-                and len(refs) < len(hashes)
-                and self._on_miss is not None
-                and self._on_miss(hashes, len(refs))
-            )
-            if pending:  # asked again once the pages are here: hold nothing
-                s.release(lease)
-                refs = []
             refs_out = [[r.index, r.page_hash, r.checksum] for r in refs]
-            return [refs_out, pending, self._arena_name()]
+            return [refs_out, False, self._arena_name()]
         if method == "release":
             for lease in args:
                 s.release(lease)

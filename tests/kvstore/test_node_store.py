@@ -134,3 +134,23 @@ def test_import_stores_new_pages_only(store: NodeStore) -> None:
     assert store.import_pages([H[0], H[1]], pages) == 1
     got, out = store.export(H[:2])
     assert got == H[:2] and int(out[0, 0]) == 1 and int(out[1, 0]) == 8
+
+
+def test_a_lookup_waiting_for_a_fetch_pins_and_counts_nothing(
+    store: NodeStore,
+) -> None:
+    put(store, H[:1])
+    asked: list[int] = []
+
+    def fetching(hashes: object, first: int) -> bool:
+        asked.append(first)
+        return True
+
+    before = store.summary()
+    assert store.lookup("r", H[:3], "t", list(range(48)), 16, fetching) is None
+    assert asked == [1]
+    after = store.summary()
+    assert after["leases"] == 0 and after["lookups"] == before["lookups"]
+    assert store.hot.top(1) == []  # counted once the pages are here, not twice
+    assert store.lookup("r", H[:1], on_miss=fetching) == store.index.lookup(H[:1])  # type: ignore[union-attr]
+    assert asked == [1]  # nothing missing: not asked

@@ -77,11 +77,11 @@ def test_an_engine_opens_writes_commits_and_finds_pages(
         assert name == arena.name
         crcs = [arena.write(s, np.full(PAGE, 7, np.uint8)) for s in slots]
         c.call("commit", list(zip(slots, crcs, strict=True)))
-        refs, pending, name = c.call("lookup", "r1", [H[0], H[3]], "", [], 16, True)
+        refs, pending, name = c.call("lookup", "r1", [H[0], H[3]], "", [], 16)
         assert name == arena.name
         assert [r[1] for r in refs] == [H[0]] and not pending  # nobody has H3
         assert misses == [1]
-        refs, pending, _ = c.call("lookup", "r2", [H[0], H[1]], "", [], 16, True)
+        refs, pending, _ = c.call("lookup", "r2", [H[0], H[1]], "", [], 16)
         assert refs == [] and pending  # fetching: nothing held meanwhile
         assert store.summary()["leases"] == 1
         c.call("release", "r1")
@@ -103,7 +103,7 @@ def test_a_dead_engines_pins_and_reservations_are_given_back(
     try:
         slot = c.call("reserve", [H[0]])[0][0]
         c.call("commit", [[slot, arena.write(slot, np.zeros(PAGE, np.uint8))]])
-        c.call("lookup", "r", [H[0]], "", [], 16, False)
+        c.call("lookup", "r", [H[0]], "", [], 16)
         c.call("reserve", [H[1], H[2], H[3]])  # never committed
         c.close()  # the engine dies
         for _ in range(100):

@@ -25,6 +25,7 @@ import numpy as np
 import ray
 from ray.cluster_utils import Cluster
 
+from cluster.config import KVStoreConfig
 from kvstore import actor as kv_actor
 from kvstore.arena import Arena
 from kvstore.rpc import StoreClient
@@ -34,6 +35,7 @@ APP = "two-nodes"
 ENGINES = "two-nodes-engines"
 PAGE = 147456  # one tiny-model page
 PAGES = 8
+STORE = KVStoreConfig(capacity_bytes=64 * PAGE, sync_interval_s=0.1)
 
 
 def main() -> None:
@@ -51,8 +53,8 @@ def main() -> None:
         if n["Alive"]
     }
     n1, n2 = by_res["node-1"], by_res["node-2"]
-    s1 = kv_actor.get_or_create_store(APP, n1, 64 * PAGE, sync_interval_s=0.1)
-    s2 = kv_actor.get_or_create_store(APP, n2, 64 * PAGE, sync_interval_s=0.1)
+    s1 = kv_actor.get_or_create_store(APP, n1, STORE)
+    s2 = kv_actor.get_or_create_store(APP, n2, STORE)
     sock1, sock2 = ray.get([s1.start.remote(), s2.start.remote()])
 
     c1, c2 = StoreClient(sock1), StoreClient(sock2)
@@ -66,7 +68,7 @@ def main() -> None:
     t0 = time.monotonic()
     waits = 0
     while True:
-        refs, pending, _ = c2.call("lookup", "req", hashes, "", [], 16, True)
+        refs, pending, _ = c2.call("lookup", "req", hashes, "", [], 16)
         if refs or (not pending and time.monotonic() - t0 > 10):
             break
         waits += pending
@@ -99,8 +101,8 @@ def main() -> None:
     a2.close()
     if len(sys.argv) > 1:
         # Fresh stores: the engines' pages are of another layout than the above.
-        e1 = kv_actor.get_or_create_store(ENGINES, n1, 64 * PAGE, sync_interval_s=0.1)
-        e2 = kv_actor.get_or_create_store(ENGINES, n2, 64 * PAGE, sync_interval_s=0.1)
+        e1 = kv_actor.get_or_create_store(ENGINES, n1, STORE)
+        e2 = kv_actor.get_or_create_store(ENGINES, n2, STORE)
         socks = ray.get([e1.start.remote(), e2.start.remote()])
         print(json.dumps(engines(sys.argv[1], *socks, e2)), flush=True)
         kv_actor.kill(ENGINES)
