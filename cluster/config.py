@@ -91,10 +91,32 @@ class EngineConfig(_Strict):
     omp_num_threads: int | None = Field(
         None, gt=0, description="OMP_NUM_THREADS for each engine process (CPU backend)."
     )
+    measure_expert_load: bool | None = Field(
+        None,
+        description="Count the tokens each MoE layer routes to each expert (a hook "
+        "on vLLM's router in every worker) and report a rolling window to the "
+        "router and the metrics. The hook runs only in eager mode (compiled graphs "
+        "and CUDA graphs do not replay it), so it needs enforce_eager. None: "
+        "measure whenever enforce_eager is on.",
+    )
+    expert_load_window_s: float = Field(
+        10.0, gt=0, description="Rolling window of the measured expert load."
+    )
+
+    @property
+    def measures_expert_load(self) -> bool:
+        if self.measure_expert_load is None:
+            return self.enforce_eager
+        return self.measure_expert_load
 
 
 class DeploymentConfig(_Strict):
-    num_replicas: int = Field(2, ge=1, description="Engine replicas.")
+    num_replicas: int = Field(
+        2,
+        ge=1,
+        description="Engine replicas; with expert_parallel.ranks > 1, EP groups "
+        "(each of `ranks` rank replicas).",
+    )
     num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per replica.")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs reserved per replica.")
     max_ongoing_requests: int = Field(
@@ -197,12 +219,43 @@ class RouterConfig(_Strict):
         "its breaker defers background requests that hit it (normal ones above "
         "expert_normal_factor times this). None: no expert breaker.",
     )
-    expert_normal_factor: float = Field(1.5, ge=1, description="See above.")
+    expert_normal_factor: float = Field(
+        1.5,
+        ge=1,
+        description="Normal requests are deferred too above this many times an "
+        "expert breaker's threshold (per-expert and per-group breakers).",
+    )
+    expert_max_imbalance: float | None = Field(
+        None,
+        gt=1,
+        description="Group expert breaker: measured tokens of a group's busiest "
+        "expert over the mean of its layer (any layer) beyond which the group "
+        "defers background requests. None: imbalance does not open it.",
+    )
+    expert_max_tokens_per_s: float | None = Field(
+        None,
+        gt=0,
+        description="Group expert breaker: measured tokens/s one expert of a group "
+        "may route before the group defers background requests. None: no limit.",
+    )
+    expert_min_window_tokens: int = Field(
+        256,
+        ge=1,
+        description="A layer that routed fewer tokens in the window is not judged "
+        "for imbalance (too few to tell).",
+    )
+    expert_probe_s: float = Field(
+        5.0,
+        gt=0,
+        description="A half-open group breaker closes after this long without "
+        "overload (it lets one background request run at a time meanwhile).",
+    )
     expert_close_ratio: float = Field(
         0.8,
         gt=0,
         le=1,
-        description="An expert breaker closes below this share of its threshold.",
+        description="An expert breaker closes (a group breaker half-opens) below "
+        "this share of its threshold.",
     )
     prefix_balance_tokens: int = Field(
         4096,
@@ -282,6 +335,63 @@ class KVStoreConfig(_Strict):
     )
 
 
+class ExpertParallelConfig(_Strict):
+    """Expert-parallel groups: vLLM data-parallel attention with the routed experts
+    split across ``ranks`` engine processes, placed, health-checked and restarted
+    together."""
+
+    ranks: int = Field(
+        1,
+        ge=1,
+        description="Ranks per group (one engine process, and one accelerator, "
+        "each). 1: plain engine replicas.",
+    )
+    placement: Literal["spread", "pack"] = Field(
+        "spread",
+        description="Where a group's ranks go: spread across nodes, or packed on as "
+        "few as possible.",
+    )
+    accelerator: str | None = Field(
+        None,
+        min_length=1,
+        description="Ray resource each rank takes one unit of: 'GPU' on GPU nodes "
+        "(NCCL between ranks), or a custom resource that marks accelerator nodes. "
+        "None: CPUs only (gloo between ranks).",
+    )
+    master_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="How long ranks wait for rank 0 to publish the group's address.",
+    )
+    all2all_backend: str | None = Field(
+        None,
+        description="GPU only: vLLM all2all backend for expert dispatch (e.g. "
+        "'deepep_low_latency'). None: vLLM's default.",
+    )
+    eplb: bool = Field(
+        False,
+        description="GPU only: vLLM's expert-parallel load balancer, which moves and "
+        "replicates hot experts between ranks.",
+    )
+    eplb_step_interval: int = Field(
+        3000, gt=0, description="Engine steps between EPLB rebalances."
+    )
+    eplb_window_size: int = Field(
+        1000, gt=0, description="Engine steps of expert load EPLB balances on."
+    )
+    num_redundant_experts: int = Field(
+        0, ge=0, description="GPU only: extra expert replicas EPLB may place."
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.ranks > 1
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.accelerator == "GPU"
+
+
 class ClusterConfig(_Strict):
     """Everything `moe-cluster serve` needs."""
 
@@ -291,6 +401,41 @@ class ClusterConfig(_Strict):
     server: ServerConfig = Field(default_factory=ServerConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
     kvstore: KVStoreConfig = Field(default_factory=KVStoreConfig)
+    expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
+
+    @model_validator(mode="after")
+    def _expert_parallel(self) -> ClusterConfig:
+        ep, engine = self.expert_parallel, self.engine
+        gpu_only = {
+            "expert_parallel.eplb": ep.eplb,
+            "expert_parallel.all2all_backend": ep.all2all_backend is not None,
+            "expert_parallel.num_redundant_experts": ep.num_redundant_experts > 0,
+        }
+        for key, used in gpu_only.items():
+            if used and not ep.on_gpu:
+                raise ValueError(
+                    f"{key} needs GPU ranks (expert_parallel.accelerator: GPU)"
+                )
+            if used and not ep.enabled:
+                raise ValueError(f"{key} needs an EP group (expert_parallel.ranks > 1)")
+        if ep.num_redundant_experts and not ep.eplb:
+            raise ValueError("expert_parallel.num_redundant_experts needs eplb: true")
+        if ep.enabled and engine.tensor_parallel_size != 1:
+            raise ValueError(
+                "an EP group has one rank per accelerator: engine.tensor_parallel_size "
+                "must be 1 with expert_parallel.ranks > 1"
+            )
+        if ep.on_gpu and self.deployment.num_gpus not in (0, 1):
+            raise ValueError(
+                "with expert_parallel.accelerator: GPU each rank takes one GPU; leave "
+                "deployment.num_gpus at 0 or 1"
+            )
+        if engine.measure_expert_load and not engine.enforce_eager:
+            raise ValueError(
+                "engine.measure_expert_load counts in a hook that compiled and CUDA "
+                "graphs do not replay: set engine.enforce_eager: true as well"
+            )
+        return self
 
     @model_validator(mode="after")
     def _ports_differ(self) -> ClusterConfig:

@@ -12,6 +12,7 @@ from ray.serve.deployment import Application
 from cluster.config import ClusterConfig
 from cluster.tiny_model import write_tiny_model
 from deployments.engine import EngineDeployment, engine_env
+from deployments.ep_group import engine_options
 from deployments.ingress import Ingress
 from deployments.pinned_router import PinnedRequestRouter
 
@@ -33,7 +34,6 @@ def prepare_model(config: ClusterConfig) -> ClusterConfig:
 
 
 def build_app(config: ClusterConfig) -> Application:
-    d = config.deployment
     routing: dict[str, Any] = {}
     if config.router.enabled:
         # The DeepSeekRouter orders and places; Serve only delivers.
@@ -41,17 +41,7 @@ def build_app(config: ClusterConfig) -> Application:
             request_router_class=PinnedRequestRouter
         )
     engine = EngineDeployment.options(
-        **routing,
-        num_replicas=d.num_replicas,
-        max_ongoing_requests=d.max_ongoing_requests,
-        max_queued_requests=d.max_queued_requests,
-        health_check_period_s=d.health_check_period_s,
-        health_check_timeout_s=d.health_check_timeout_s,
-        ray_actor_options={
-            "num_cpus": d.num_cpus,
-            "num_gpus": d.num_gpus,
-            "runtime_env": {"env_vars": engine_env(config.engine)},
-        },
+        **routing, **engine_options(config, engine_env(config.engine))
     ).bind(config)
     # The ingress only parses and relays: it takes no CPU from the engines.
     return Ingress.options(

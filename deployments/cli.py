@@ -21,6 +21,13 @@ def _config(path: str | None) -> ClusterConfig:
     return load_config(chosen)
 
 
+def _engines(config: ClusterConfig) -> str:
+    n, ranks = config.deployment.num_replicas, config.expert_parallel.ranks
+    if ranks > 1:
+        return f"{n} EP group{'s' * (n > 1)} of {ranks} ranks"
+    return f"{n} engine replica{'s' * (n > 1)}"
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
@@ -36,7 +43,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     s = config.server
     print(
         f"moe-cluster is serving {config.model.served_name!r} "
-        f"({config.deployment.num_replicas} engine replicas, "
+        f"({_engines(config)}, "
         f"ready in {time.monotonic() - started:.0f} s)\n"
         f"  gRPC   {s.host}:{s.grpc_port}  moecluster.v1.Inference, grpc.health.v1, "
         "reflection\n"

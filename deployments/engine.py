@@ -13,13 +13,16 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+import ray
 from ray import serve
 
 from cluster.config import ClusterConfig, EngineConfig
-from deployments import kv_events
+from deployments import ep_group, kv_events
+from deployments.ep_group import GroupRank
+from deployments.expert_load import ExpertLoadWindow
 from deployments.protocol import (
     EngineEvent,
     EngineRequest,
@@ -31,7 +34,7 @@ from deployments.protocol import (
 from deployments.reporter import Reporter
 from deployments.stream_batcher import DeltaBatcher
 from router.qos import QoS
-from router.types import RequestProgress
+from router.types import ExpertLoad, RequestProgress
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -51,13 +54,19 @@ def engine_env(config: EngineConfig) -> dict[str, str]:
     return env
 
 
+WORKER_EXTENSION = "deployments.expert_load.ExpertLoadExtension"
+
+
 def engine_args(
     model_path: str,
     served_name: str,
     config: EngineConfig,
     kv_events_endpoint: str | None = None,
     kv_store_socket: str | None = None,
+    parallel: dict[str, Any] | None = None,
 ) -> Any:
+    """vLLM's arguments; ``parallel`` adds the EP group rank's data-parallel and
+    expert-parallel ones (``ep_group``)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     events = None
@@ -85,6 +94,8 @@ def engine_args(
         disable_log_stats=True,
         kv_events_config=events,
         kv_transfer_config=transfer,
+        worker_extension_cls=WORKER_EXTENSION if config.measures_expert_load else "",
+        **(parallel or {}),
     )
 
 
@@ -134,6 +145,7 @@ class VLLMEngine:
         self._running: dict[str, _Running] = {}
         self.tokens_generated = 0
         self.warmed = (0, 0)  # prefixes run before taking traffic, tokens loaded
+        self.expert_load: ExpertLoadWindow | None = None
 
     @classmethod
     def start(
@@ -142,16 +154,21 @@ class VLLMEngine:
         replica_id: str,
         kv_events_endpoint: str | None,
         kv_store_socket: str | None = None,
+        group: GroupRank | None = None,
     ) -> VLLMEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         os.environ.update(engine_env(config.engine))
+        parallel = None
+        if group is not None:
+            parallel = group.engine_kwargs() | ep_group.gpu_engine_kwargs(config)
         args = engine_args(
             config.model.path,
             config.model.served_name,
             config.engine,
             kv_events_endpoint,
             kv_store_socket,
+            parallel,
         )
         return cls(
             AsyncLLM.from_engine_args(args),
@@ -262,6 +279,27 @@ class VLLMEngine:
         """Raises when the engine core is dead."""
         await self._engine.check_health()
 
+    async def measure_expert_load(self, window_s: float) -> None:
+        """Hooks the workers' MoE routers and keeps a rolling window of their
+        counts (see ``expert_load``); returns once the hooks are in."""
+        [(layers, experts), *_] = await self._engine.collective_rpc(
+            "moe_expert_load_install"
+        )
+        if layers:
+            self.expert_load = ExpertLoadWindow(tuple(layers), experts, window_s)
+
+    async def poll_expert_load(self) -> None:
+        """Adds the workers' counts since the last poll to the window."""
+        if self.expert_load is None:
+            return
+        [counts, *_] = await self._engine.collective_rpc("moe_expert_load_take")
+        self.expert_load.add(time.monotonic(), counts)
+
+    def expert_load_snapshot(self) -> ExpertLoad | None:
+        if self.expert_load is None:
+            return None
+        return self.expert_load.snapshot(time.monotonic())
+
     def stats(self) -> EngineStats:
         return EngineStats(
             replica_id=self.replica_id,
@@ -298,27 +336,46 @@ class EngineDeployment:
     """Ray Serve shell of one ``VLLMEngine``; Serve restarts it when unhealthy."""
 
     async def __init__(self, config: ClusterConfig) -> None:  # type: ignore[misc]
-        replica_id = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        replica_id = context.replica_id.unique_id
+        self._group: GroupRank | None = None
+        self._node_id = ray.get_runtime_context().get_node_id()
+        gang = getattr(context, "gang_context", None)
+        if config.expert_parallel.enabled and gang is not None:
+            self._group = await ep_group.join(
+                gang, config.expert_parallel.master_timeout_s
+            )
         router_on = config.router.enabled
-        endpoint = kv_events.endpoint_for(replica_id) if router_on else None
+        endpoint = listen = None
+        if router_on:
+            rank = self._group.rank if self._group else 0
+            endpoint, listen = kv_events.rank_endpoints(replica_id, rank)
         self._kv_endpoint = endpoint
         self._tasks: list[asyncio.Task[None]] = []
         store, socket = None, None
         if config.kvstore.enabled:
             store, socket = await _node_store(config)
-        self._engine = VLLMEngine.start(config, replica_id, endpoint, socket)
+        self._engine = VLLMEngine.start(
+            config, replica_id, endpoint, socket, self._group
+        )
         loop = asyncio.get_running_loop()
-        listener = kv_events.KVEventListener(endpoint)
+        if config.engine.measures_expert_load:
+            await self._engine.measure_expert_load(config.engine.expert_load_window_s)
+            self._tasks.append(loop.create_task(self._poll_expert_load(config)))
+        listener = kv_events.KVEventListener(listen)
         if store is not None:
             self._tasks.append(loop.create_task(_follow_store(config, store, listener)))
         if endpoint is not None:
             from router import actor
 
+            g = self._group
             reporter = Reporter(
                 replica_id,
                 progress=self._engine.progress,
                 tokens_generated=lambda: self._engine.tokens_generated,
                 kv_events=listener.drain,
+                expert_load=self._engine.expert_load_snapshot,
+                group=(g.group_id, g.rank, g.size) if g else ("", 0, 1),
                 connect=lambda: actor.get_or_create(
                     config.router, config.server.app_name, config.model.path
                 ),
@@ -331,6 +388,14 @@ class EngineDeployment:
         if config.kvstore.enabled:
             await self._warmup(config)
         logger.info("engine replica %s ready", replica_id)
+
+    async def _poll_expert_load(self, config: ClusterConfig) -> None:
+        while True:
+            await asyncio.sleep(config.router.report_interval_s)
+            try:
+                await self._engine.poll_expert_load()
+            except Exception as e:  # a dead engine is the health check's business
+                logger.debug("expert load poll failed: %r", e)
 
     async def _warmup(self, config: ClusterConfig) -> None:
         """Runs the configured warmup prompts and the cluster's hottest prefixes,
@@ -373,7 +438,16 @@ class EngineDeployment:
         await self._engine.abort(request_id)
 
     async def stats(self) -> EngineStats:
-        return self._engine.stats()
+        stats = self._engine.stats()
+        if self._group is not None:
+            g = self._group
+            stats = replace(stats, group=g.group_id, rank=g.rank, group_size=g.size)
+        return replace(stats, node_id=self._node_id)
+
+    async def expert_load(self) -> ExpertLoad | None:
+        """The measured expert load over the rolling window (None: not measured)."""
+        await self._engine.poll_expert_load()
+        return self._engine.expert_load_snapshot()
 
     async def check_health(self) -> None:
         await asyncio.wait_for(self._engine.check_health(), timeout=10)
@@ -382,6 +456,9 @@ class EngineDeployment:
         engine = getattr(self, "_engine", None)
         if engine is not None:
             engine.shutdown()
+        group = getattr(self, "_group", None)
+        if group is not None:
+            ep_group.leave(group)
         endpoint = getattr(self, "_kv_endpoint", None)
         if endpoint is not None:
             kv_events.remove_endpoint(endpoint)
@@ -389,8 +466,6 @@ class EngineDeployment:
 
 async def _node_store(config: ClusterConfig) -> tuple[Any, str]:
     """This node's page store (started if it is not running) and its socket."""
-    import ray
-
     from kvstore import actor as kv_actor
 
     store = kv_actor.get_or_create_store(

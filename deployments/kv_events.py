@@ -27,6 +27,23 @@ def endpoint_for(replica_id: str) -> str:
     return f"ipc://{Path(tempfile.gettempdir()) / f'moe-cluster-kv-{replica_id}'}"
 
 
+def rank_endpoints(replica_id: str, dp_rank: int) -> tuple[str, str]:
+    """(the engine's publisher endpoint, the listener's) for data-parallel rank
+    ``dp_rank``. vLLM offsets a DP rank's publisher port by the rank and refuses
+    ipc endpoints there, so ranks > 0 publish on a free local tcp port."""
+    if dp_rank == 0:
+        endpoint = endpoint_for(replica_id)
+        return endpoint, endpoint
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    if port <= dp_rank:
+        raise RuntimeError(f"no usable port for DP rank {dp_rank}")
+    return f"tcp://127.0.0.1:{port - dp_rank}", f"tcp://127.0.0.1:{port}"
+
+
 def remove_endpoint(endpoint: str) -> None:
     """Unlinks an ipc endpoint's socket file (vLLM's publisher leaves it behind)."""
     if endpoint.startswith("ipc://"):

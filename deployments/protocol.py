@@ -73,6 +73,10 @@ class EngineStats:
     pid: int = 0  # the replica's process; the engine core is its child
     warmed_prefixes: int = 0  # prefixes run at start, before taking traffic
     warmed_cached_tokens: int = 0  # of their tokens, those loaded from the store
+    node_id: str = ""  # the Ray node the replica runs on
+    group: str = ""  # EP group this replica is a rank of ("": none)
+    rank: int = 0
+    group_size: int = 1
 
 
 EngineEvent = Started | TokenDelta | Finish

@@ -13,7 +13,13 @@ from collections.abc import Callable
 from typing import Any
 
 from router.admission import Ewma
-from router.types import KVEvent, ReplicaId, ReplicaReport, RequestProgress
+from router.types import (
+    ExpertLoad,
+    KVEvent,
+    ReplicaId,
+    ReplicaReport,
+    RequestProgress,
+)
 
 logger = logging.getLogger("moe_cluster.engine")
 RATE_SMOOTHING = 0.3
@@ -27,6 +33,8 @@ class Reporter:
         progress: Callable[[], tuple[RequestProgress, ...]],
         tokens_generated: Callable[[], int],
         kv_events: Callable[[bool], tuple[KVEvent, ...]] = lambda full: (),
+        expert_load: Callable[[], ExpertLoad | None] = lambda: None,
+        group: tuple[str, int, int] = ("", 0, 1),
         connect: Callable[[], Any],
         interval_s: float,
     ) -> None:
@@ -34,6 +42,8 @@ class Reporter:
         self._progress = progress
         self._tokens = tokens_generated
         self._kv_events = kv_events  # (full) -> changes since last, or everything
+        self._expert_load = expert_load
+        self._group = group  # (group id, rank, ranks)
         self._router_incarnation: str | None = None
         self._resend_all = True
         self._connect = connect  # returns the router actor handle (blocking)
@@ -59,6 +69,10 @@ class Reporter:
                 running,
                 self._rate.value,
                 kv_events=self._kv_events(full),
+                expert_load=self._expert_load(),
+                group=self._group[0],
+                rank=self._group[1],
+                group_size=self._group[2],
             )
             try:
                 if self._handle is None:

@@ -298,6 +298,9 @@ def directory(app: str) -> Any:
             max_restarts=-1,
             max_task_retries=-1,
             num_cpus=0,
+            # Not in the caller's placement group (an EP group's gang): it would
+            # die with the group and could not be restarted.
+            scheduling_strategy="DEFAULT",
         )
         .remote()
     )

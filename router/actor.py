@@ -30,6 +30,7 @@ from router.types import Release, ReplicaReport, RouteDecision, Shed, Ticket, Tr
 logger = logging.getLogger("moe_cluster.router")
 NAMESPACE = "moe-cluster"
 _BREAKER_VALUE = {"closed": 0, "half-open": 1, "open": 2, "gone": 3}
+_GROUP_BREAKER_VALUE = {"closed": 0, "half-open": 1, "open": 2, "open-normal": 3}
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +81,24 @@ class DeepSeekRouter:
         self._queued = metrics.Gauge(
             "moe_cluster_router_queued", "Requests waiting per class.", ("qos",)
         )
+        self._group_breaker = metrics.Gauge(
+            "moe_cluster_router_group_breaker",
+            "Group expert breaker: 0 closed, 1 half-open, 2 open (background "
+            "deferred), 3 open for normal too.",
+            ("group",),
+        )
+        self._expert_load = metrics.Gauge(
+            "moe_cluster_expert_load_tokens_per_s",
+            "Measured tokens routed to each expert per second (rolling window, "
+            "summed over MoE layers and the group's ranks).",
+            ("group", "expert"),
+        )
+        self._imbalance = metrics.Gauge(
+            "moe_cluster_expert_imbalance",
+            "Per MoE layer: the busiest expert's measured tokens over the mean "
+            "(1.0 = even).",
+            ("group", "layer"),
+        )
         self._decision = metrics.Histogram(
             "moe_cluster_router_decision_seconds",
             "Router compute time per dispatched request.",
@@ -91,6 +110,9 @@ class DeepSeekRouter:
         self._transitions.inc(tags={"kind": t.kind, "key": t.key, "to": t.new})
         if t.kind == "replica":
             self._breaker.set(_BREAKER_VALUE.get(t.new, 0), tags={"replica": t.key})
+        elif t.kind == "group":
+            value = _GROUP_BREAKER_VALUE.get(t.new, 0)
+            self._group_breaker.set(value, tags={"group": t.key})
 
     def _on_decision(self, seconds: float) -> None:
         self._decision.observe(seconds)
@@ -114,10 +136,24 @@ class DeepSeekRouter:
         can tell that a restarted router needs its whole state again."""
         self._service.start()
         self._service.report(report)
+        if report.expert_load is not None:
+            self._export_expert_load(report.group or report.replica_id)
         for q in QoS:
             depth = self._service.core.queues.depth(q)
             self._queued.set(depth, tags={"qos": q.name.lower()})
         return self.incarnation
+
+    def _export_expert_load(self, group: str) -> None:
+        core = self._service.core
+        load = core.group_load(group)
+        if load is None or load.window_s <= 0:
+            return
+        for e, n in enumerate(load.per_expert()):
+            tags = {"group": group, "expert": str(e)}
+            self._expert_load.set(n / load.window_s, tags=tags)
+        min_tokens = core.config.expert_min_window_tokens
+        for layer, ratio in load.imbalance(min_tokens).items():
+            self._imbalance.set(ratio, tags={"group": group, "layer": str(layer)})
 
     async def snapshot(self) -> dict[str, Any]:
         return self._service.snapshot()
@@ -162,6 +198,9 @@ def get_or_create(
         max_task_retries=-1,
         max_concurrency=100_000,
         num_cpus=0,
+        # Not in the caller's placement group (an EP group's gang): it would
+        # die with the group and could not be restarted.
+        scheduling_strategy="DEFAULT",
     ).remote(config, num_routed_experts(model_path))
 
 

@@ -14,6 +14,7 @@ Clock = Callable[[], float]
 Emit = Callable[[Transition], None]
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half-open"
+DEFER_NORMAL = "open-normal"  # a group breaker open for normal requests too
 
 
 class ReplicaBreaker:
@@ -135,3 +136,74 @@ class ExpertBreakers:
 
     def hot(self) -> list[int]:
         return [e for e, lvl in enumerate(self.levels) if lvl > 0]
+
+
+class GroupExpertBreaker:
+    """Per engine group, on its measured expert load.
+
+    ``pressure`` is the group's worst overload: the larger of its expert
+    imbalance (busiest expert over the mean, any layer) over the allowed
+    imbalance, and its busiest expert's tokens/s over that expert's capacity;
+    1.0 is at the limit. Above 1.0 the breaker opens and defers background
+    requests; above ``normal_factor`` it defers normal ones too. Realtime always
+    runs. Once pressure falls below ``close_ratio`` it is half-open: normal runs
+    again and background runs one request at a time; if pressure stays below 1.0
+    for ``probe_s`` it closes, if it rises above 1.0 it opens again.
+    """
+
+    def __init__(
+        self,
+        key: str,
+        *,
+        normal_factor: float,
+        close_ratio: float,
+        probe_s: float,
+        clock: Clock,
+        emit: Emit,
+    ) -> None:
+        if normal_factor < 1 or not 0 < close_ratio <= 1 or probe_s <= 0:
+            raise ValueError("bad group breaker thresholds")
+        self.key = key
+        self._normal_factor, self._close_ratio = normal_factor, close_ratio
+        self._probe_s = probe_s
+        self._clock, self._emit = clock, emit
+        self.state = CLOSED
+        self.pressure = 0.0
+        self._half_open_at = 0.0
+
+    def update(self, pressure: float) -> None:
+        self.pressure = pressure
+        state, now = self.state, self._clock()
+        open_states = (OPEN, DEFER_NORMAL)
+        normal_close = self._close_ratio * self._normal_factor
+        if pressure > self._normal_factor:
+            new = DEFER_NORMAL
+        elif pressure > 1.0:
+            keep = state == DEFER_NORMAL and pressure >= normal_close
+            new = DEFER_NORMAL if keep else OPEN
+        elif state in open_states and pressure < self._close_ratio:
+            new = HALF_OPEN
+            self._half_open_at = now
+        elif state == DEFER_NORMAL and pressure < normal_close:
+            new = OPEN
+        elif state == HALF_OPEN and now - self._half_open_at >= self._probe_s:
+            new = CLOSED
+        else:
+            new = state
+        self._move(new, f"pressure {pressure:.2f}")
+
+    def defers(self, qos: QoS, background_running: int) -> bool:
+        """Does the breaker hold back a request of ``qos`` for this group now?"""
+        if qos == QoS.REALTIME or self.state == CLOSED:
+            return False
+        if qos == QoS.NORMAL:
+            return self.state == DEFER_NORMAL
+        if self.state == HALF_OPEN:
+            return background_running > 0  # one background probe at a time
+        return True
+
+    def _move(self, new: str, why: str) -> None:
+        if new == self.state:
+            return
+        old, self.state = self.state, new
+        self._emit(Transition("group", self.key, old, new, self._clock(), why))

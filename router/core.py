@@ -16,7 +16,7 @@ from typing import Any
 
 from cluster.config import RouterConfig
 from router.admission import ClassQueues, Ewma, RateMeter, Waiting, percentiles
-from router.breakers import ExpertBreakers, ReplicaBreaker
+from router.breakers import OPEN, ExpertBreakers, GroupExpertBreaker, ReplicaBreaker
 from router.policies import (
     ExpertAware,
     LeastLoaded,
@@ -29,6 +29,7 @@ from router.qos import QoS
 from router.replicas import Lease, Replica
 from router.types import (
     Counters,
+    ExpertLoad,
     Outcome,
     Release,
     ReplicaId,
@@ -40,6 +41,21 @@ from router.types import (
 )
 
 Clock = Callable[[], float]
+
+
+def expert_pressure(load: ExpertLoad | None, config: RouterConfig) -> float:
+    """A group's measured expert overload: 1.0 is at the configured limit."""
+    if load is None:
+        return 0.0
+    pressure = 0.0
+    if config.expert_max_imbalance is not None:
+        worst = max(load.imbalance(config.expert_min_window_tokens).values(), default=0)
+        pressure = max(pressure, worst / config.expert_max_imbalance)
+    if config.expert_max_tokens_per_s is not None:
+        pressure = max(pressure, load.hottest_rate() / config.expert_max_tokens_per_s)
+    return pressure
+
+
 LEASE_GRACE_S = 3.0  # a dispatched request shows up in its replica's reports by then
 RELEASED_MEMORY_S = 10.0
 MIN_RETRY_S, MAX_RETRY_S = 0.5, 30.0
@@ -68,6 +84,11 @@ class RouterCore:
         self._freed = RateMeter()
         self._tokens = itertools.count(1)
         self._pending_decisions: list[tuple[Waiting, RouteDecision]] = []
+        self.group_breakers: dict[str, GroupExpertBreaker] = {}
+        self._group_breaking = (
+            config.expert_max_imbalance is not None
+            or config.expert_max_tokens_per_s is not None
+        )
         self.expert_breakers: ExpertBreakers | None = None
         if config.expert_capacity_tokens is not None and num_experts:
             self.expert_breakers = ExpertBreakers(
@@ -192,11 +213,57 @@ class RouterCore:
             self.config.max_running_per_replica,
             self.config.realtime_reserved_slots,
         )
+        groups = self.groups()
         return [
             r
             for r in self.replicas.values()
-            if r.breaker.allows() and r.slots_free(qos, slots, reserved)
+            if r.breaker.allows()
+            and r.slots_free(qos, slots, reserved)
+            and self._group_serves(groups[r.group_key], r.group_size, qos)
         ]
+
+    def groups(self) -> dict[str, list[Replica]]:
+        """Replicas by EP group (a replica outside any group is its own)."""
+        out: dict[str, list[Replica]] = {}
+        for r in self.replicas.values():
+            out.setdefault(r.group_key, []).append(r)
+        return out
+
+    def _group_serves(self, ranks: list[Replica], size: int, qos: QoS) -> bool:
+        """A group takes work only whole: every rank reporting and none of them
+        failing (one dead rank stops the group), and its expert breaker allowing
+        ``qos``."""
+        if len(ranks) < size or any(r.breaker.state == OPEN for r in ranks):
+            return False
+        breaker = self.group_breakers.get(ranks[0].group_key)
+        if breaker is None:
+            return True
+        background = sum(r.running_of(QoS.BACKGROUND) for r in ranks)
+        return not breaker.defers(qos, background)
+
+    def group_load(self, group: str) -> ExpertLoad | None:
+        """The group's measured expert load: the sum of its ranks' last reports."""
+        loads = [
+            r.measured
+            for r in self.replicas.values()
+            if r.group_key == group and r.measured is not None
+        ]
+        return ExpertLoad.merge(loads)
+
+    def _update_group_breaker(self, group: str) -> None:
+        if not self._group_breaking:
+            return
+        breaker = self.group_breakers.get(group)
+        if breaker is None:
+            breaker = self.group_breakers[group] = GroupExpertBreaker(
+                group,
+                normal_factor=self.config.expert_normal_factor,
+                close_ratio=self.config.expert_close_ratio,
+                probe_s=self.config.expert_probe_s,
+                clock=self._clock,
+                emit=self.transitions.append,
+            )
+        breaker.update(expert_pressure(self.group_load(group), self.config))
 
     def _dispatch(self, w: Waiting, candidates: list[Replica]) -> RouteDecision:
         t = w.ticket
@@ -264,6 +331,7 @@ class RouterCore:
             self.replicas[report.replica_id] = replica
         replica.reconcile(report, now, LEASE_GRACE_S, self._released)
         self.directory.apply(report.replica_id, report.kv_events)
+        self._update_group_breaker(replica.group_key)
 
     def tick(self) -> list[tuple[Waiting, Shed]]:
         """Drops silent replicas and sheds queued requests that can no longer meet
@@ -281,6 +349,12 @@ class RouterCore:
         for req, at in list(self._released.items()):
             if now - at > RELEASED_MEMORY_S:
                 del self._released[req]
+        live = self.groups()
+        for group in list(self.group_breakers):
+            if group in live:
+                self._update_group_breaker(group)
+            else:
+                del self.group_breakers[group]
         if self.expert_breakers:
             self.expert_breakers.update(self._expert_load())
         shed: list[tuple[Waiting, Shed]] = []
@@ -312,6 +386,21 @@ class RouterCore:
             for e, x in enumerate(r.expert_load(self._num_experts)):
                 load[e] += x
         return load
+
+    def _group_snapshot(self, group: str, ranks: list[Replica]) -> dict[str, Any]:
+        load = self.group_load(group)
+        breaker = self.group_breakers.get(group)
+        imbalance = load.imbalance(self.config.expert_min_window_tokens) if load else {}
+        return {
+            "ranks": sorted(r.replica_id for r in ranks),
+            "size": ranks[0].group_size,
+            "serving": self._group_serves(ranks, ranks[0].group_size, QoS.REALTIME),
+            "expert_breaker": breaker.state if breaker else None,
+            "pressure": round(expert_pressure(load, self.config), 3),
+            "max_imbalance": round(max(imbalance.values(), default=0.0), 3),
+            "expert_tokens": load.per_expert() if load else [],
+            "window_s": load.window_s if load else 0.0,
+        }
 
     def _shed(
         self, qos: QoS, reason: str, message: str, retry_s: float | None = None
@@ -349,4 +438,8 @@ class RouterCore:
             },
             "dispatch_rate": self._freed.rate(now),
             "hot_experts": self.expert_breakers.hot() if self.expert_breakers else [],
+            "groups": {
+                group: self._group_snapshot(group, ranks)
+                for group, ranks in sorted(self.groups().items())
+            },
         }

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from router.breakers import ReplicaBreaker
 from router.qos import QoS
-from router.types import ReplicaId, ReplicaReport
+from router.types import ExpertLoad, ReplicaId, ReplicaReport
 
 
 @dataclass(slots=True)
@@ -41,7 +41,9 @@ class Replica:
     last_report_at: float
     tokens_per_s: float = 0.0
     leases: dict[str, Lease] = field(default_factory=dict)
-    measured_expert_load: tuple[float, ...] = ()
+    measured: ExpertLoad | None = None  # the replica's last measured expert load
+    group: str = ""  # EP group ("": the replica is its own group of one)
+    group_size: int = 1
     # Sum of the leases' predicted expert hits, kept as leases come and go.
     _predicted: dict[int, float] = field(default_factory=dict)
 
@@ -68,14 +70,19 @@ class Replica:
     def load_tokens(self) -> int:
         return sum(lease.remaining_tokens for lease in self.leases.values())
 
+    @property
+    def group_key(self) -> str:
+        return self.group or self.replica_id
+
+    def running_of(self, qos: QoS) -> int:
+        return sum(1 for lease in self.leases.values() if lease.qos == qos)
+
     def expert_load(self, num_experts: int) -> list[float]:
-        """Predicted tokens in flight per expert; a measured report wins if larger."""
+        """Predicted tokens in flight per expert (from the leases' tickets)."""
         load = [0.0] * num_experts
         for e, x in self._predicted.items():
             if e < num_experts:
                 load[e] = x
-        for e, x in enumerate(self.measured_expert_load[:num_experts]):
-            load[e] = max(load[e], x)
         return load
 
     def slots_free(self, qos: QoS, slots: int, realtime_reserved: int) -> bool:
@@ -93,7 +100,8 @@ class Replica:
         the replica has not shown for ``grace_s`` since dispatch is gone."""
         self.last_report_at = now
         self.tokens_per_s = report.tokens_per_s
-        self.measured_expert_load = report.expert_load
+        self.measured = report.expert_load
+        self.group, self.group_size = report.group, report.group_size
         seen = set()
         for p in report.requests:
             seen.add(p.request_id)

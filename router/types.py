@@ -88,6 +88,59 @@ class KVEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class ExpertLoad:
+    """Tokens routed to each expert of each MoE layer over the last ``window_s``
+    seconds, as an engine measured them (one token counts once per chosen expert)."""
+
+    layers: tuple[int, ...]  # model layer index of each row
+    counts: tuple[tuple[int, ...], ...]  # [layer row][routed expert]
+    window_s: float
+
+    @staticmethod
+    def merge(loads: list[ExpertLoad]) -> ExpertLoad | None:
+        """The sum over ranks (rows matched by layer index)."""
+        if not loads:
+            return None
+        rows: dict[int, list[int]] = {}
+        for load in loads:
+            for layer, row in zip(load.layers, load.counts, strict=True):
+                acc = rows.setdefault(layer, [0] * len(row))
+                for e, n in enumerate(row):
+                    acc[e] += n
+        layers = tuple(sorted(rows))
+        return ExpertLoad(
+            layers,
+            tuple(tuple(rows[layer]) for layer in layers),
+            max(load.window_s for load in loads),
+        )
+
+    def per_expert(self) -> list[int]:
+        """Tokens per expert, summed over layers."""
+        total = [0] * (len(self.counts[0]) if self.counts else 0)
+        for row in self.counts:
+            for e, n in enumerate(row):
+                total[e] += n
+        return total
+
+    def imbalance(self, min_tokens: int = 1) -> dict[int, float]:
+        """Per layer: the busiest expert's tokens over the mean (1.0 = even).
+        Layers that routed fewer than ``min_tokens`` are left out (too little
+        to judge)."""
+        out: dict[int, float] = {}
+        for layer, row in zip(self.layers, self.counts, strict=True):
+            total = sum(row)
+            if row and total >= max(min_tokens, 1):
+                out[layer] = max(row) / (total / len(row))
+        return out
+
+    def hottest_rate(self) -> float:
+        """Tokens per second of the busiest expert in any layer."""
+        if self.window_s <= 0 or not self.counts:
+            return 0.0
+        return max(max(row, default=0) for row in self.counts) / self.window_s
+
+
+@dataclass(frozen=True, slots=True)
 class ReplicaReport:
     """What a replica sends the router every report interval."""
 
@@ -95,7 +148,10 @@ class ReplicaReport:
     requests: tuple[RequestProgress, ...] = ()
     tokens_per_s: float = 0.0  # generated tokens per second while busy (measured)
     kv_events: tuple[KVEvent, ...] = ()
-    expert_load: tuple[float, ...] = ()  # measured tokens per routed expert, if any
+    expert_load: ExpertLoad | None = None  # measured, where the engine measures it
+    group: str = ""  # expert-parallel group this replica is a rank of ("": none)
+    rank: int = 0
+    group_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -220,3 +220,40 @@ def test_a_tenant_runs_with_its_own_cache_salt_and_the_same_tokens(
 
     assert tokens("acme") == tokens("") == tokens("globex")
     assert len(tokens("acme")) == 8
+
+
+def test_engines_measure_the_tokens_each_expert_routes(served: Served) -> None:
+    """Every forward token counts once per MoE layer per chosen expert, on the
+    replica that ran it; the router's per-group load and the metrics show it."""
+    import random
+
+    def windows() -> dict[str, int]:
+        groups = router_snapshot(served)["groups"]
+        return {g: sum(v["expert_tokens"]) for g, v in groups.items()}
+
+    window_s = served.config.engine.expert_load_window_s
+    wait_until(
+        lambda: len(w := windows()) == 2 and not any(w.values()),
+        window_s + 5,
+        "earlier traffic to leave the expert-load windows",
+    )
+    prompt = random.Random(1234).sample(range(2, 1000), 130)  # no stored prefix
+    result = generate(served, prompt, 8)
+    assert result.code == grpc.StatusCode.OK
+    # 130 prompt tokens + 7 decode steps, 3 MoE layers, 2 experts a token (per
+    # layer 274: over expert_min_window_tokens, so the imbalance is judged too).
+    expected = (130 + 7) * 3 * 2
+    deadline = time.monotonic() + 5  # the counts of its last steps, reported
+    while (counted := windows()[result.replica]) != expected:
+        assert time.monotonic() < deadline, f"counted {counted}, not {expected}"
+        time.sleep(0.2)
+    assert windows() == {r: expected if r == result.replica else 0 for r in windows()}
+
+    def exported() -> bool:
+        lines = metric_lines(served, "ray_moe_cluster_expert_load_tokens_per_s")
+        imbalance = metric_lines(served, "ray_moe_cluster_expert_imbalance")
+        return any(f'group="{result.replica}"' in line for line in lines) and bool(
+            imbalance
+        )
+
+    wait_until(exported, 60, "expert load metrics on the Prometheus endpoint")

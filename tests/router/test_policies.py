@@ -78,5 +78,3 @@ def test_expert_aware_avoids_replicas_hot_on_the_prompts_experts() -> None:
     assert pol.choose(on_2, [a, b])[:2] == (a, "expert")
     no_hist = Ticket("v", QoS.NORMAL, 8, 8)
     assert pol.choose(no_hist, [a, b])[:2] == (a, "least-loaded")
-    b.measured_expert_load = (100.0, 0.0, 0.0, 0.0)  # a measured report wins if larger
-    assert pol.choose(on_0, [a, b])[0] is a
