@@ -25,6 +25,7 @@ communicator methods are never called, so single-rank engines run unchanged.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 logger = logging.getLogger("moe_cluster.cpu_ep_compat")
@@ -55,28 +56,37 @@ def register() -> None:
 def all_gatherv(
     group: Any, world_size: int, input_: Any, dim: int = 0, sizes: Any = None
 ) -> Any:
-    """Concatenates each rank's tensor (``sizes[r]`` rows from rank r) along dim 0."""
+    """Concatenates each rank's tensor (``sizes[r]`` rows from rank r) along dim 0;
+    a list of tensors (same rows, any dtypes) travels in one collective."""
     import torch
     import torch.distributed as dist
 
     if dim != 0:
         raise NotImplementedError("only dim 0 all_gatherv is supported")
 
-    def gather(t: torch.Tensor) -> torch.Tensor:
-        rows = max(sizes) if sizes is not None else t.shape[0]
-        padded = t
-        if t.shape[0] != rows:
-            padded = t.new_zeros((rows, *t.shape[1:]))
-            padded[: t.shape[0]] = t
-        out = t.new_empty((world_size * rows, *t.shape[1:]))
-        dist.all_gather_into_tensor(out, padded.contiguous(), group=group)
-        if sizes is None:
-            return out
-        return torch.cat([out[r * rows : r * rows + n] for r, n in enumerate(sizes)])
-
-    if isinstance(input_, list | tuple):
-        return [gather(t) for t in input_]
-    return gather(input_)
+    tensors = list(input_) if isinstance(input_, list | tuple) else [input_]
+    n = tensors[0].shape[0]
+    if any(t.shape[0] != n for t in tensors):
+        raise ValueError("all_gatherv tensors must have the same number of rows")
+    # One collective for all of them: each row's bytes side by side.
+    widths = [t.element_size() * math.prod(t.shape[1:]) for t in tensors]
+    as_bytes = [
+        t.contiguous().view(torch.uint8).reshape(n, w)
+        for t, w in zip(tensors, widths, strict=True)
+    ]
+    rows = max(sizes) if sizes is not None else n
+    packed = as_bytes[0].new_zeros((rows, sum(widths)))
+    packed[:n] = torch.cat(as_bytes, dim=1)
+    out = packed.new_empty((world_size * rows, sum(widths)))
+    dist.all_gather_into_tensor(out, packed, group=group)
+    if sizes is not None:
+        out = torch.cat([out[r * rows : r * rows + k] for r, k in enumerate(sizes)])
+    gathered, start = [], 0
+    for t, width in zip(tensors, widths, strict=True):
+        part = out[:, start : start + width].contiguous().view(t.dtype)
+        gathered.append(part.reshape(out.shape[0], *t.shape[1:]))
+        start += width
+    return gathered if isinstance(input_, list | tuple) else gathered[0]
 
 
 def reduce_scatterv(

@@ -125,6 +125,7 @@ def main() -> None:
     p.add_argument("--model", default=".models/tiny-deepseek-v2")
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--only", help="run one variant (no results written)")
     args = p.parse_args()
     model = prepare_model(
         ClusterConfig.model_validate(
@@ -133,11 +134,15 @@ def main() -> None:
     ).model.path
     ray.init(num_cpus=2, namespace="moe-cluster")
     variants = {"single": (1, 1), "ep2": (1, 2), "replicas2": (2, 1)}
+    if args.only:
+        variants = {args.only: variants[args.only]}
     results = {}
     for name, (replicas, ranks) in variants.items():
         results[name] = run(model, replicas, ranks, args.requests, args.max_tokens)
         print(name, results[name], flush=True)
     ray.shutdown()
+    if args.only:
+        return
     RESULTS.mkdir(exist_ok=True)
     meta = {"requests": args.requests, "max_tokens": args.max_tokens}
     (RESULTS / "ep_group.json").write_text(
