@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= cluster/configs/tiny-cpu.yaml
 MODEL  := .models/tiny-deepseek-v2
 
-.PHONY: install serve test lint unit model proto clean bench-peers bench-qos bench-kv
+.PHONY: install serve test lint unit model proto clean bench-peers bench-qos bench-kv bench-ep
 
 install: $(STAMP)
 
@@ -60,3 +60,9 @@ bench-qos: model
 bench-kv: model
 	$(BIN)/python -m tests.perf.page_copy
 	$(BIN)/python -m tests.perf.kv_reuse
+
+# An EP group of 2 ranks against one rank (start-up, tokens/s), then the 2-node
+# group: placement, expert-load histograms, breaker, recovery after a rank is killed.
+bench-ep: model
+	$(BIN)/python -m tests.perf.ep_group
+	$(BIN)/python -m tests.ep.two_nodes $(MODEL) | grep '^{"phase"'

@@ -16,6 +16,9 @@ import pytest
 from tests.ep.two_nodes import MAX_IMBALANCE
 from tests.integration.conftest import Served
 
+# The child process starts a cluster and a group twice (~4 min here).
+pytestmark = pytest.mark.timeout(900)
+
 
 @pytest.fixture(scope="module")
 def phases(tiny_model: Path) -> dict[str, dict[str, Any]]:
@@ -23,7 +26,7 @@ def phases(tiny_model: Path) -> dict[str, dict[str, Any]]:
         [sys.executable, "-m", "tests.ep.two_nodes", str(tiny_model)],
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=840,
         check=False,
     )
     found = {}
@@ -91,12 +94,15 @@ def test_expert_breaker_defers_skewed_traffic_and_recovers(
     assert {"open", "open-normal"} & set(states) and "half-open" in states
     requests = b["requests"]
     assert all(r["status"] == 200 for r in requests)  # deferred, never dropped
-    worst = {
-        q: max(r["s"] for r in requests if r["qos"] == q)
-        for q in ("realtime", "normal", "background")
+    took = {
+        q: sorted(r["s"] for r in requests if r["qos"] == q)
+        for q in ("realtime", "background")
     }
+    median = {q: s[len(s) // 2] for q, s in took.items()}
     # Realtime ran throughout; background waited out the open breaker.
-    assert worst["realtime"] < 2.0 < worst["background"]
+    assert median["realtime"] < 1.0, b
+    assert median["background"] > 3 * median["realtime"], b
+    assert took["realtime"][-1] < took["background"][-1], b
 
 
 def test_a_killed_rank_restarts_the_whole_group(phases: dict[str, Any]) -> None:
