@@ -341,7 +341,12 @@ class EngineDeployment:
         self._group: GroupRank | None = None
         self._node_id = ray.get_runtime_context().get_node_id()
         gang = getattr(context, "gang_context", None)
-        if config.expert_parallel.enabled and gang is not None:
+        if config.expert_parallel.enabled:
+            if gang is None:
+                raise RuntimeError(
+                    "expert_parallel.ranks > 1 needs the engine deployment gang-"
+                    "scheduled (build it with deployments.app.build_app)"
+                )
             self._group = await ep_group.join(
                 gang, config.expert_parallel.master_timeout_s
             )
