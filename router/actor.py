@@ -145,7 +145,7 @@ class DeepSeekRouter:
 
     def _export_expert_load(self, group: str) -> None:
         core = self._service.core
-        load = core.group_load(group)
+        load = core.group_loads.get(group)
         if load is None or load.window_s <= 0:
             return
         for e, n in enumerate(load.per_expert()):

@@ -85,6 +85,9 @@ class RouterCore:
         self._tokens = itertools.count(1)
         self._pending_decisions: list[tuple[Waiting, RouteDecision]] = []
         self.group_breakers: dict[str, GroupExpertBreaker] = {}
+        # Each group's measured expert load: its ranks' last reports, summed once
+        # per report for the breaker, the metrics and the snapshot.
+        self.group_loads: dict[str, ExpertLoad] = {}
         self._group_breaking = (
             config.expert_max_imbalance is not None
             or config.expert_max_tokens_per_s is not None
@@ -213,13 +216,16 @@ class RouterCore:
             self.config.max_running_per_replica,
             self.config.realtime_reserved_slots,
         )
-        groups = self.groups()
+        serving = {
+            group: self._group_serves(ranks, qos)
+            for group, ranks in self.groups().items()
+        }
         return [
             r
             for r in self.replicas.values()
-            if r.breaker.allows()
+            if serving[r.group_key]
+            and r.breaker.allows()
             and r.slots_free(qos, slots, reserved)
-            and self._group_serves(groups[r.group_key], r.group_size, qos)
         ]
 
     def groups(self) -> dict[str, list[Replica]]:
@@ -229,11 +235,12 @@ class RouterCore:
             out.setdefault(r.group_key, []).append(r)
         return out
 
-    def _group_serves(self, ranks: list[Replica], size: int, qos: QoS) -> bool:
+    def _group_serves(self, ranks: list[Replica], qos: QoS) -> bool:
         """A group takes work only whole: every rank reporting and none of them
         failing (one dead rank stops the group), and its expert breaker allowing
         ``qos``."""
-        if len(ranks) < size or any(r.breaker.state == OPEN for r in ranks):
+        whole = len(ranks) >= ranks[0].group_size
+        if not whole or any(r.breaker.state == OPEN for r in ranks):
             return False
         breaker = self.group_breakers.get(ranks[0].group_key)
         if breaker is None:
@@ -241,16 +248,18 @@ class RouterCore:
         background = sum(r.running_of(QoS.BACKGROUND) for r in ranks)
         return not breaker.defers(qos, background)
 
-    def group_load(self, group: str) -> ExpertLoad | None:
-        """The group's measured expert load: the sum of its ranks' last reports."""
+    def _merge_group_load(self, group: str) -> None:
+        """Sums the group's ranks' last measured loads; moves its breaker."""
         loads = [
             r.measured
             for r in self.replicas.values()
             if r.group_key == group and r.measured is not None
         ]
-        return ExpertLoad.merge(loads)
-
-    def _update_group_breaker(self, group: str) -> None:
+        merged = ExpertLoad.merge(loads)
+        if merged is None:
+            self.group_loads.pop(group, None)
+        else:
+            self.group_loads[group] = merged
         if not self._group_breaking:
             return
         breaker = self.group_breakers.get(group)
@@ -263,7 +272,7 @@ class RouterCore:
                 clock=self._clock,
                 emit=self.transitions.append,
             )
-        breaker.update(expert_pressure(self.group_load(group), self.config))
+        breaker.update(expert_pressure(merged, self.config))
 
     def _dispatch(self, w: Waiting, candidates: list[Replica]) -> RouteDecision:
         t = w.ticket
@@ -331,7 +340,7 @@ class RouterCore:
             self.replicas[report.replica_id] = replica
         replica.reconcile(report, now, LEASE_GRACE_S, self._released)
         self.directory.apply(report.replica_id, report.kv_events)
-        self._update_group_breaker(replica.group_key)
+        self._merge_group_load(replica.group_key)
 
     def tick(self) -> list[tuple[Waiting, Shed]]:
         """Drops silent replicas and sheds queued requests that can no longer meet
@@ -350,9 +359,12 @@ class RouterCore:
             if now - at > RELEASED_MEMORY_S:
                 del self._released[req]
         live = self.groups()
-        for group in list(self.group_breakers):
+        for group in list(self.group_loads):
+            if group not in live:
+                del self.group_loads[group]
+        for group, breaker in list(self.group_breakers.items()):
             if group in live:
-                self._update_group_breaker(group)
+                breaker.update(breaker.pressure)  # time passes: half-open closes
             else:
                 del self.group_breakers[group]
         if self.expert_breakers:
@@ -388,13 +400,13 @@ class RouterCore:
         return load
 
     def _group_snapshot(self, group: str, ranks: list[Replica]) -> dict[str, Any]:
-        load = self.group_load(group)
+        load = self.group_loads.get(group)
         breaker = self.group_breakers.get(group)
         imbalance = load.imbalance(self.config.expert_min_window_tokens) if load else {}
         return {
             "ranks": sorted(r.replica_id for r in ranks),
             "size": ranks[0].group_size,
-            "serving": self._group_serves(ranks, ranks[0].group_size, QoS.REALTIME),
+            "serving": self._group_serves(ranks, QoS.REALTIME),
             "expert_breaker": breaker.state if breaker else None,
             "pressure": round(expert_pressure(load, self.config), 3),
             "max_imbalance": round(max(imbalance.values(), default=0.0), 3),
