@@ -443,16 +443,10 @@ class EngineDeployment:
         await self._engine.abort(request_id)
 
     async def stats(self) -> EngineStats:
-        stats = self._engine.stats()
-        if self._group is not None:
-            g = self._group
+        stats = replace(self._engine.stats(), node_id=self._node_id)
+        if (g := self._group) is not None:
             stats = replace(stats, group=g.group_id, rank=g.rank, group_size=g.size)
-        return replace(stats, node_id=self._node_id)
-
-    async def expert_load(self) -> ExpertLoad | None:
-        """The measured expert load over the rolling window (None: not measured)."""
-        await self._engine.poll_expert_load()
-        return self._engine.expert_load_snapshot()
+        return stats
 
     async def check_health(self) -> None:
         await asyncio.wait_for(self._engine.check_health(), timeout=10)

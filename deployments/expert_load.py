@@ -26,13 +26,15 @@ _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
 class ExpertLoadWindow:
-    """Counts per (layer, expert) over the last ``window_s`` seconds."""
+    """Counts per (layer, expert) over the last ``window_s`` seconds, with a
+    running total: a snapshot costs one copy, not a sum over the samples."""
 
     def __init__(self, layers: tuple[int, ...], num_experts: int, window_s: float):
         if window_s <= 0:
             raise ValueError("window_s must be > 0")
         self.layers, self.num_experts, self.window_s = layers, num_experts, window_s
         self._samples: deque[tuple[float, list[list[int]]]] = deque()
+        self._total = [[0] * num_experts for _ in layers]
         self._started: float | None = None
 
     def add(self, now: float, counts: list[list[int]]) -> None:
@@ -42,22 +44,26 @@ class ExpertLoadWindow:
             self._started = now
         if any(any(row) for row in counts):
             self._samples.append((now, counts))
-        while self._samples and self._samples[0][0] <= now - self.window_s:
-            self._samples.popleft()
+            self._accumulate(counts, 1)
+        self._expire(now)
 
     def snapshot(self, now: float) -> ExpertLoad:
-        total = [[0] * self.num_experts for _ in self.layers]
-        for at, counts in self._samples:
-            if at > now - self.window_s:
-                for row, add in zip(total, counts, strict=True):
-                    for e, n in enumerate(add):
-                        row[e] += n
+        self._expire(now)
         covered = 0.0 if self._started is None else now - self._started
         return ExpertLoad(
             self.layers,
-            tuple(tuple(row) for row in total),
+            tuple(tuple(row) for row in self._total),
             min(covered, self.window_s),
         )
+
+    def _expire(self, now: float) -> None:
+        while self._samples and self._samples[0][0] <= now - self.window_s:
+            self._accumulate(self._samples.popleft()[1], -1)
+
+    def _accumulate(self, counts: list[list[int]], sign: int) -> None:
+        for row, add in zip(self._total, counts, strict=True):
+            for e, n in enumerate(add):
+                row[e] += sign * n
 
 
 class ExpertLoadExtension:
