@@ -28,7 +28,6 @@ import json
 import os
 import random
 import signal
-import socket
 import sys
 import time
 from typing import Any
@@ -41,16 +40,11 @@ from ray.cluster_utils import Cluster
 from cluster.config import ClusterConfig
 from deployments.app import GRPC_SERVICERS, build_app, prepare_model
 from router import actor as router_actor
+from tests.integration.conftest import ENGINE, free_port
 
 APP = "ep-two-nodes"
 SKEWED_TOKEN = 7
 MAX_IMBALANCE = 4.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def config(model: str, http_port: int, grpc_port: int) -> ClusterConfig:
@@ -58,15 +52,7 @@ def config(model: str, http_port: int, grpc_port: int) -> ClusterConfig:
         ClusterConfig.model_validate(
             {
                 "model": {"path": model},
-                "engine": {
-                    "dtype": "float32",
-                    "max_model_len": 512,
-                    "kv_cache_memory_bytes": 64 << 20,
-                    "max_num_seqs": 16,
-                    "enforce_eager": True,
-                    "omp_num_threads": 1,
-                    "expert_load_window_s": 3,
-                },
+                "engine": {**ENGINE, "expert_load_window_s": 3},
                 "deployment": {
                     "num_replicas": 1,
                     "num_cpus": 1,
@@ -197,7 +183,9 @@ async def complete(
     )
     out: dict[str, Any] = {"status": r.status_code, "s": time.monotonic() - t}
     if r.status_code == 200:
-        out["text"] = r.json()["choices"][0]["text"]
+        body = r.json()
+        out["text"] = body["choices"][0]["text"]
+        out["completion_tokens"] = body["usage"]["completion_tokens"]
     return out
 
 
@@ -302,20 +290,7 @@ def recovery(
         time.sleep(0.1)
     new = rank_stats(handle, 2, exclude_group=old_group)
     ready_s = time.monotonic() - t0
-    with httpx.Client(base_url=base, timeout=120) as client:
-        while True:
-            r = client.post(
-                "/v1/completions",
-                json={
-                    "model": "tiny-deepseek-v2",
-                    "prompt": GREEDY_PROMPTS[0],
-                    "max_tokens": 16,
-                    "temperature": 0,
-                },
-            )
-            if r.status_code == 200:
-                break
-            time.sleep(0.5)
+    answer = asyncio.run(first_answer(base))
     served_s = time.monotonic() - t0
     emit(
         "recovery",
@@ -325,8 +300,16 @@ def recovery(
         new_group=[{"rank": s.rank, "node": s.node_id, "group": s.group} for s in new],
         old_group=old_group,
         old_nodes=[s.node_id for s in ranks],
-        text=r.json()["choices"][0]["text"],
+        text=answer["text"],
     )
+
+
+async def first_answer(base: str) -> dict[str, Any]:
+    """The first greedy prompt, asked until the group answers it."""
+    async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+        while (out := await complete(client, GREEDY_PROMPTS[0], 16))["status"] != 200:
+            await asyncio.sleep(0.5)
+    return out
 
 
 if __name__ == "__main__":

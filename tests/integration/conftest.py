@@ -21,7 +21,19 @@ from deployments.client import InferenceClient
 API_KEY = "test-key-123"
 
 
-def _free_port() -> int:
+# The engines of the session's app. tests/ep/two_nodes.py runs its EP group with the
+# same settings: its greedy tokens are compared with these engines'.
+ENGINE: dict[str, Any] = {
+    "dtype": "float32",
+    "max_model_len": 512,
+    "kv_cache_memory_bytes": 64 << 20,
+    "max_num_seqs": 16,
+    "enforce_eager": True,
+    "omp_num_threads": 1,
+}
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -60,14 +72,7 @@ def served(tiny_model: Path) -> Iterator[Served]:
         ClusterConfig.model_validate(
             {
                 "model": {"path": str(tiny_model)},
-                "engine": {
-                    "dtype": "float32",
-                    "max_model_len": 512,
-                    "kv_cache_memory_bytes": 64 << 20,
-                    "max_num_seqs": 16,
-                    "enforce_eager": True,
-                    "omp_num_threads": 1,
-                },
+                "engine": ENGINE,
                 "deployment": {
                     "num_replicas": 2,
                     "num_cpus": 1,
@@ -90,8 +95,8 @@ def served(tiny_model: Path) -> Iterator[Served]:
                     "sync_interval_s": 0.25,
                 },
                 "server": {
-                    "http_port": _free_port(),
-                    "grpc_port": _free_port(),
+                    "http_port": free_port(),
+                    "grpc_port": free_port(),
                     "api_keys": [API_KEY],
                     "max_prompt_bytes": 4096,
                     "app_name": "moe-cluster-test",
@@ -99,7 +104,7 @@ def served(tiny_model: Path) -> Iterator[Served]:
             }
         )
     )
-    metrics_port = _free_port()
+    metrics_port = free_port()
     ray.init(
         num_cpus=2,
         include_dashboard=False,

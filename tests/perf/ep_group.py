@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 
 from cluster.config import ClusterConfig
+from tests.ep.two_nodes import complete
 
 RESULTS = Path(__file__).parent / "results"
 APP = "moe-cluster-ep-bench"
@@ -55,37 +56,22 @@ def _config(model: str, replicas: int, ranks: int) -> ClusterConfig:
     )
 
 
-async def _complete(
-    client: httpx.AsyncClient, prompt: list[int], max_tokens: int
-) -> int:
-    r = await client.post(
-        "/v1/completions",
-        json={
-            "model": "tiny-deepseek-v2",
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-        },
-    )
-    r.raise_for_status()
-    return int(r.json()["usage"]["completion_tokens"])
-
-
 async def _load(n: int, max_tokens: int, seed: int) -> dict[str, float]:
     rng = random.Random(seed)
     prompts = [[rng.randrange(2, 1000) for _ in range(64)] for _ in range(n + 1)]
     async with httpx.AsyncClient(
         base_url=f"http://127.0.0.1:{HTTP_PORT}", timeout=600
     ) as client:
+        first = await complete(client, prompts[0], max_tokens)
         t = time.perf_counter()
-        alone = await _complete(client, prompts[0], max_tokens)
-        alone_s = time.perf_counter() - t
-        t = time.perf_counter()
-        tokens = await asyncio.gather(
-            *(_complete(client, p, max_tokens) for p in prompts[1:])
+        rest = await asyncio.gather(
+            *(complete(client, p, max_tokens) for p in prompts[1:])
         )
         wall = time.perf_counter() - t
+    if any(out["status"] != 200 for out in [first, *rest]):
+        raise RuntimeError(f"a request failed: {[out['status'] for out in rest]}")
+    alone, alone_s = first["completion_tokens"], first["s"]
+    tokens = [out["completion_tokens"] for out in rest]
     return {
         "one_request_tokens_per_s": round(alone / alone_s, 1),
         "concurrent_tokens_per_s": round(sum(tokens) / wall, 1),
