@@ -12,12 +12,14 @@ the engine's own cache layout, named by vLLM's own chained block hash (the tenan
 ``cache_salt`` is in the first block's hash, so tenants never share pages).
 
 Scheduler side (engine-core process):
-    ``get_num_new_matched_tokens`` asks the store for the longest stored prefix of the
-    prompt's full blocks (always leaving one prompt token to compute) and pins those
-    pages under the request's id. When another node holds more of the prefix, the
-    store starts fetching it and the request waits a step or two (``None``) instead
-    of recomputing. ``build_connector_meta`` lists, per step, the pages to load into
-    the blocks just allocated and the blocks that this step completes, to save.
+    ``get_num_new_matched_tokens`` asks the store for the longest stored run of the
+    prompt's full blocks past those the engine's own prefix cache holds (always
+    leaving one prompt token to compute) and pins those pages under the request's
+    id: a caching engine is offered, and the store counts, only what it adds. When
+    another node holds more of the prefix, the store starts fetching it and the
+    request waits a step or two (``None``) instead of recomputing.
+    ``build_connector_meta`` lists, per step, the pages to load into the blocks
+    just allocated and the blocks that this step completes, to save.
 
 Worker side (model-runner process), with the arena mapped:
     ``start_load_kv`` checks each page's checksum in place and copies it into the
@@ -191,10 +193,12 @@ class PageStoreConnector(KVConnectorBase_V1):
         if found is not None and found[0] == skip:
             # Asked again while the request waits for room: its pages are still
             # pinned for it.
-            return (len(found[1]) - skip) * b, False
+            return len(found[1]) * b, False
         self._drop_found(rid)
-        if len(hashes) <= skip:
+        if not hashes:
             return 0, False
+        # Asked even when the engine holds every block: the store counts the
+        # reuse towards the hot prefixes new replicas warm up with.
         try:
             refs, pending, arena = self._client.call(
                 "lookup",
@@ -203,17 +207,17 @@ class PageStoreConnector(KVConnectorBase_V1):
                 request.cache_salt or "",
                 (request.prompt_token_ids or [])[: full * b],
                 b,
+                skip,
             )
         except StoreError as e:
             self._warn(e)
             return 0, False
         if pending:
             return None, False  # another node's pages are on their way
-        if len(refs) <= skip:
-            self._release(rid)
+        if not refs:
             return 0, False
         self._found[rid] = (skip, refs, arena)
-        return (len(refs) - skip) * b, False
+        return len(refs) * b, False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -226,16 +230,16 @@ class PageStoreConnector(KVConnectorBase_V1):
             self._release(rid)
             return
         skip, refs, arena = found
+        # refs[i] is the prompt's block skip + i (the engine holds the first skip).
         block_ids = blocks.get_block_ids()[0]
         self._to_load[rid] = (
             arena,
             [
-                (slot, crc, h, block_ids[i])
+                (slot, crc, h, block_ids[skip + i])
                 for i, (slot, h, crc) in enumerate(refs)
-                if i >= skip
             ],
         )
-        self._saved[rid] = max(self._saved.get(rid, 0), len(refs))
+        self._saved[rid] = max(self._saved.get(rid, 0), skip + len(refs))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StoreMetadata:
         meta = StoreMetadata(loads=self._to_load)

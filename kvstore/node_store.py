@@ -177,30 +177,36 @@ class NodeStore:
         tokens: Sequence[int] = (),
         block_size: int = 0,
         on_miss: MissHook | None = None,
+        skip: int = 0,
     ) -> list[PageRef] | None:
-        """The stored pages of the longest prefix of ``hashes``, pinned under
+        """The stored pages of the longest run of ``hashes[skip:]``, pinned under
         ``lease`` (replacing what the lease held) until ``release``.
 
-        None when ``on_miss`` (told the hashes and the first missing position)
-        answers that the missing pages are being fetched: nothing is pinned or
-        counted then, and the caller asks again later."""
+        The first ``skip`` pages are in the engine's own cache already: they are
+        neither looked up nor counted as hits or misses, so a caching engine is
+        offered (and the stats count) only what the store adds; a page the store
+        evicted there does not hide the ones after it. The prefix reused counts
+        towards the hot prefixes either way. None when ``on_miss`` (told the hashes
+        and the first missing position) answers that the missing pages are being
+        fetched: nothing is pinned or counted then, and the caller asks again."""
+        if not 0 <= skip <= len(hashes):
+            raise ValueError(f"skip {skip} outside 0..{len(hashes)}")
         index = self._index()
         self.release(lease)
-        refs = index.lookup(hashes)
-        if (
-            len(refs) < len(hashes)
-            and on_miss is not None
-            and on_miss(hashes, len(refs))
-        ):
+        refs = index.lookup(hashes[skip:])
+        end = skip + len(refs)
+        if end < len(hashes) and on_miss is not None and on_miss(hashes, end):
             return None
         if refs:
             index.pin(refs)
             self._leases[lease] = refs
-            if tokens and block_size:
-                self.hot.hit(salt, tokens[: len(refs) * block_size], refs[-1].page_hash)
+        # A reuse is hot wherever it was served (the engine's cache or here),
+        # while this store holds its last page: warming it up loads it.
+        if tokens and block_size and end and hashes[end - 1] in index:
+            self.hot.hit(salt, tokens[: end * block_size], hashes[end - 1])
         self.stats["lookups"] += 1
         self.stats["hit_pages"] += len(refs)
-        self.stats["miss_pages"] += len(hashes) - len(refs)
+        self.stats["miss_pages"] += len(hashes) - end
         return refs
 
     def held(self, hashes: Sequence[PageHash]) -> int:

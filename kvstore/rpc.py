@@ -107,9 +107,12 @@ class StoreServer:
             info = s.open(int(args[0]), str(args[1]))
             return [info.name, info.num_pages, info.page_bytes]
         if method == "lookup":  # -> [refs, pending, arena]
-            lease, hashes, salt, tokens, block_size = args
+            lease, hashes, salt, tokens, block_size, *rest = args
             hashes = [PageHash(h) for h in hashes]
-            refs = s.lookup(lease, hashes, salt, tokens, block_size, self._on_miss)
+            skip = int(rest[0]) if rest else 0  # pages the engine has itself
+            refs = s.lookup(
+                lease, hashes, salt, tokens, block_size, self._on_miss, skip
+            )
             if refs is None:  # being fetched: asked again once the pages are here
                 return [[], True, self._arena_name()]
             if refs:

@@ -154,3 +154,30 @@ def test_a_lookup_waiting_for_a_fetch_pins_and_counts_nothing(
     assert store.hot.top(1) == []  # counted once the pages are here, not twice
     assert store.lookup("r", H[:1], on_miss=fetching) == store.index.lookup(H[:1])  # type: ignore[union-attr]
     assert asked == [1]  # nothing missing: not asked
+
+
+def test_a_caching_engine_is_offered_and_counted_only_what_the_store_adds(
+    store: NodeStore,
+) -> None:
+    put(store, [H[1], H[2]])  # H0 was evicted here; the engine still holds it
+    before = store.summary()
+    found = store.lookup("r", [H[0], H[1], H[2], H[3]], skip=1)
+    assert [r.page_hash for r in found] == [H[1], H[2]]  # not hidden by H0
+    after = store.summary()
+    assert after["hit_pages"] - before["hit_pages"] == 2
+    assert after["miss_pages"] - before["miss_pages"] == 1  # H3 only
+    # Told where the store's run ends, counted from the prompt's first block.
+    misses: list[int] = []
+    store.lookup(
+        "r", [H[0], H[1], H[3]], skip=1, on_miss=lambda h, at: bool(misses.append(at))
+    )
+    assert misses == [2]
+    assert store.lookup("r", [H[0], H[1]], skip=2) == []
+    # A prefix the engine served itself is hot all the same (its last page is
+    # here); one whose last page is not is not.
+    tokens = list(range(8))
+    store.lookup("r", [H[0], H[1]], "", tokens, 4, skip=2)
+    store.lookup("r", [H[0], H[5]], "", tokens, 4, skip=2)
+    assert store.hot.top(2) == [(("", tuple(tokens)), 1)]
+    with pytest.raises(ValueError, match="skip"):
+        store.lookup("r", [H[0]], skip=2)
