@@ -292,7 +292,12 @@ class RouterCore:
             )
         )
         self.queues.take(w)
-        self.counters.admitted[t.qos] += 1
+        c = self.counters
+        c.admitted[t.qos] += 1
+        c.routed[reason] = c.routed.get(reason, 0) + 1
+        if t.block_hashes:
+            c.prompt_blocks += len(t.block_hashes)
+            c.cached_blocks += cached
         return RouteDecision(
             replica.replica_id, reason, cached, now - w.submitted_at, t.expert_hist
         )
@@ -444,6 +449,12 @@ class RouterCore:
                 f"{q.name.lower()}/{why}": n
                 for (q, why), n in self.counters.shed.items()
             },
+            "routed": dict(self.counters.routed),
+            "prefix_hit_rate": (
+                self.counters.cached_blocks / self.counters.prompt_blocks
+                if self.counters.prompt_blocks
+                else None
+            ),
             "ttft_estimate_s": self._ttft.value,
             "ttft_ms": {
                 q.name.lower(): percentiles(self.served_ttft[q], 1e3) for q in QoS

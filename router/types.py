@@ -170,3 +170,8 @@ class Transition:
 class Counters:
     admitted: dict[QoS, int] = field(default_factory=lambda: dict.fromkeys(QoS, 0))
     shed: dict[tuple[QoS, str], int] = field(default_factory=dict)
+    routed: dict[str, int] = field(default_factory=dict)  # decisions by reason
+    # Of the prompts' full blocks placed (hashed tickets only), those the chosen
+    # replica held: the prefix policy's hit rate.
+    prompt_blocks: int = 0
+    cached_blocks: int = 0

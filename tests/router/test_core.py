@@ -257,3 +257,21 @@ def test_served_ttft_per_class_counts_the_queue_wait() -> None:
         {"p50": 600.0, "p99": 600.0, "n": 1}
     )
     assert core.snapshot()["ttft_ms"]["background"] is None
+
+
+def test_the_snapshot_counts_decisions_and_the_prefix_hit_rate() -> None:
+    from router.prefix import block_hashes
+    from router.types import KVEvent
+
+    core = _core(Clock(), policy="prefix")
+    hashes = block_hashes(list(range(64)), 16)  # 4 blocks
+    core.report(
+        ReplicaReport(ReplicaId("b"), kv_events=(KVEvent("stored", hashes[:3]),))
+    )
+    assert core.snapshot()["prefix_hit_rate"] is None  # nothing placed yet
+    d = core.submit(_t("1", block_hashes=hashes))
+    assert isinstance(d, RouteDecision) and (d.replica_id, d.cached_blocks) == ("b", 3)
+    core.submit(_t("2", block_hashes=block_hashes(list(range(100, 132)), 16)))
+    snap = core.snapshot()
+    assert snap["routed"] == {"prefix": 1, "least-loaded": 1}
+    assert snap["prefix_hit_rate"] == 3 / 6
