@@ -12,6 +12,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from cluster import platform
 from router.qos import QoS
 
 DEFAULT_TINY_MODEL_DIR = ".models/tiny-deepseek-v2"
@@ -40,8 +41,16 @@ class ModelConfig(_Strict):
 
 
 class EngineConfig(_Strict):
+    attention_backend: str = Field(
+        "auto",
+        description="vLLM attention backend. auto: AMX_MLA on CPUs with AMX, the "
+        "reference CPU_MLA on other CPUs, vLLM's own choice on GPUs. AMX_MLA or "
+        "CPU_MLA force one on CPU (CPU_MLA runs on every CPU).",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weight and activation dtype passed to vLLM."
+        "auto",
+        description="Weight and activation dtype passed to vLLM. auto: bfloat16 "
+        "on AMX_MLA, float32 on CPU_MLA, the checkpoint's on GPU.",
     )
     max_model_len: int = Field(
         2048, gt=0, description="Context length in tokens (prompt plus output)."
@@ -60,7 +69,12 @@ class EngineConfig(_Strict):
         "backend the fraction of host memory for the KV cache (keep it small there).",
     )
     max_num_seqs: int = Field(64, gt=0, description="Most sequences in one batch.")
-    block_size: int = Field(16, gt=0, description="Tokens per KV block (page).")
+    block_size: int | Literal["auto"] = Field(
+        "auto",
+        description="Tokens per KV block, and per page of the KV store. auto: 128 "
+        "on AMX_MLA (any multiple of 32 runs), 16 on CPU_MLA (the only size it "
+        "runs), 64 on GPU.",
+    )
     tensor_parallel_size: int = Field(1, gt=0, description="Tensor-parallel ranks.")
     enforce_eager: bool = Field(
         False, description="Disable graph capture (faster start, slower decode on GPU)."
@@ -102,6 +116,33 @@ class EngineConfig(_Strict):
     expert_load_window_s: float = Field(
         10.0, gt=0, description="Rolling window of the measured expert load."
     )
+
+    @model_validator(mode="after")
+    def _backend_takes_it(self) -> EngineConfig:
+        if isinstance(self.block_size, int) and self.block_size <= 0:
+            raise ValueError("engine.block_size must be > 0 or auto")
+        explicit = self.attention_backend.upper()
+        if explicit in (platform.Backend.AMX_MLA, platform.Backend.CPU_MLA):
+            # What the backend refuses on any machine fails here, at load; what
+            # depends on the machine fails in ClusterConfig.resolved.
+            platform.resolve(
+                explicit,
+                self.dtype,
+                self.block_size,
+                self.enable_prefix_caching,
+                gpu=False,
+                amx=explicit == platform.Backend.AMX_MLA,
+            )
+        return self
+
+    @property
+    def kv_block_size(self) -> int:
+        """The resolved block size (``ClusterConfig.resolved`` sets it)."""
+        if not isinstance(self.block_size, int):
+            raise RuntimeError(
+                "engine.block_size is still auto: use ClusterConfig.resolved()"
+            )
+        return self.block_size
 
     @property
     def measures_expert_load(self) -> bool:
@@ -452,11 +493,47 @@ class ClusterConfig(_Strict):
                 )
         return self
 
-    def resolved(self) -> ClusterConfig:
-        """A copy whose model path is absolute (replicas run in other directories)."""
+    @property
+    def engines_on_gpu(self) -> bool:
+        return self.deployment.num_gpus > 0 or self.expert_parallel.on_gpu
+
+    def engine_platform(self, amx: bool | None = None) -> platform.EnginePlatform:
+        """The backend, dtype and block size the engines get on a machine like
+        this one (``amx``: override what this CPU has). Raises ValueError naming
+        the fields the backend refuses."""
+        e = self.engine
+        return platform.resolve(
+            e.attention_backend,
+            e.dtype,
+            e.block_size,
+            e.enable_prefix_caching,
+            gpu=self.engines_on_gpu,
+            amx=platform.has_amx() if amx is None else amx,
+            expert_parallel=self.expert_parallel.enabled,
+        )
+
+    def resolved(self, amx: bool | None = None) -> ClusterConfig:
+        """A copy with the model path absolute (replicas run in other directories)
+        and the engine's ``auto`` settings made concrete for this machine (see
+        ``engine_platform``); resolving a resolved config changes nothing."""
         path = str(Path(self.model.path).expanduser().resolve())
+        p, e = self.engine_platform(amx), self.engine
+        engine = e.model_copy(
+            update={
+                # On GPU an explicit vLLM backend name is passed on as given.
+                "attention_backend": e.attention_backend
+                if p.backend is platform.Backend.GPU
+                else p.backend.value,
+                "dtype": p.dtype,
+                "block_size": p.block_size,
+                "enable_prefix_caching": p.prefix_caching,
+            }
+        )
         return self.model_copy(
-            update={"model": self.model.model_copy(update={"path": path})}
+            update={
+                "model": self.model.model_copy(update={"path": path}),
+                "engine": engine,
+            }
         )
 
 

@@ -78,13 +78,15 @@ def engine_args(
 
         transfer = transfer_config(kv_store_socket)
 
+    backend = config.attention_backend
     return AsyncEngineArgs(
         model=model_path,
         served_model_name=[served_name],
+        attention_backend=None if backend == "auto" else backend,
         dtype=config.dtype,
         max_model_len=config.max_model_len,
         max_num_seqs=config.max_num_seqs,
-        block_size=config.block_size,
+        block_size=config.kv_block_size,
         kv_cache_memory_bytes=config.kv_cache_memory_bytes,
         gpu_memory_utilization=config.gpu_memory_utilization,
         tensor_parallel_size=config.tensor_parallel_size,
@@ -97,6 +99,39 @@ def engine_args(
         worker_extension_cls=WORKER_EXTENSION if config.measures_expert_load else "",
         **(parallel or {}),
     )
+
+
+def check_platform(config: EngineConfig) -> str:
+    """The attention backend vLLM will pick in this process, by vLLM's own rule
+    (``CpuPlatform.get_attn_backend_cls``). Fails at once, naming what to set,
+    where that is not the backend the config was resolved to (``cluster.platform``
+    reads the CPU of the machine that loaded the config, which may not be this
+    engine's node)."""
+    backend = config.attention_backend
+    if backend not in ("AMX_MLA", "CPU_MLA"):
+        return backend  # GPU: vLLM picks among its kernels
+    import torch
+
+    amx = torch.cpu._is_amx_tile_supported()
+    actual = "AMX_MLA" if amx and backend != "CPU_MLA" else "CPU_MLA"
+    if actual != backend:
+        raise RuntimeError(
+            "engine.attention_backend resolved to AMX_MLA where the config was "
+            "loaded, but this engine's CPU has no usable AMX: set "
+            "engine.attention_backend: CPU_MLA (with engine.dtype and "
+            "engine.block_size auto)"
+        )
+    return actual
+
+
+def check_started(config: EngineConfig, vllm_config: Any) -> None:
+    """The engine must use the block size the ingress hashes prompts with."""
+    actual = vllm_config.cache_config.block_size
+    if actual != config.kv_block_size:
+        raise RuntimeError(
+            f"vLLM chose KV blocks of {actual} tokens where the config says "
+            f"{config.kv_block_size}: set engine.block_size: {actual}"
+        )
 
 
 def sampling_params(s: Sampling) -> Any:
@@ -146,6 +181,8 @@ class VLLMEngine:
         self.tokens_generated = 0
         self.warmed = (0, 0)  # prefixes run before taking traffic, tokens loaded
         self.expert_load: ExpertLoadWindow | None = None
+        # (attention backend, dtype, block size, prefix caching) as vLLM runs them
+        self.platform: tuple[str, str, int, bool] = ("", "", 0, False)
 
     @classmethod
     def start(
@@ -159,6 +196,7 @@ class VLLMEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         os.environ.update(engine_env(config.engine))
+        backend = check_platform(config.engine)
         parallel = None
         if group is not None:
             parallel = group.engine_kwargs() | ep_group.gpu_engine_kwargs(config)
@@ -170,12 +208,31 @@ class VLLMEngine:
             kv_store_socket,
             parallel,
         )
-        return cls(
-            AsyncLLM.from_engine_args(args),
+        engine = AsyncLLM.from_engine_args(args)
+        try:
+            check_started(config.engine, engine.vllm_config)
+        except RuntimeError:
+            engine.shutdown()
+            raise
+        started = cls(
+            engine,
             replica_id,
             config.engine.stream_interval_ms / 1000,
             config.engine.background_stream_interval_ms / 1000,
         )
+        cache = engine.vllm_config.cache_config
+        started.platform = (
+            backend,
+            str(engine.vllm_config.model_config.dtype).removeprefix("torch."),
+            cache.block_size,
+            bool(cache.enable_prefix_caching),
+        )
+        logger.info(
+            "engine %s: attention %s, dtype %s, block size %d, prefix cache %s",
+            replica_id,
+            *started.platform,
+        )
+        return started
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
         from vllm.inputs import TokensPrompt
@@ -308,6 +365,10 @@ class VLLMEngine:
             pid=os.getpid(),
             warmed_prefixes=self.warmed[0],
             warmed_cached_tokens=self.warmed[1],
+            attention_backend=self.platform[0],
+            dtype=self.platform[1],
+            block_size=self.platform[2],
+            prefix_caching=self.platform[3],
         )
 
     def progress(self) -> tuple[RequestProgress, ...]:

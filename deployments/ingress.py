@@ -109,7 +109,7 @@ def _router_client(config: ClusterConfig) -> RouterClient | None:
         return None
     use_experts = r.policy == "expert" or r.expert_capacity_tokens is not None
     tickets = TicketMaker(
-        block_size=config.engine.block_size,
+        block_size=config.engine.kv_block_size,
         hash_blocks=r.policy == "prefix",
         predictor=(
             ExpertPredictor.from_checkpoint(config.model.path) if use_experts else None
@@ -313,14 +313,14 @@ class Ingress:
             cached = await self._engine.prefill.remote(list(ids), tenant)
             held = await kv_warm.replicate(
                 self._config.server.app_name,
-                kv_warm.page_hashes(ids, self._config.engine.block_size, tenant),
+                kv_warm.page_hashes(ids, self._config.engine.kv_block_size, tenant),
             )
         except Exception as e:
             return self._http_error(e)
         return JSONResponse(
             {
                 "prompt_tokens": len(ids),
-                "pages": len(ids) // self._config.engine.block_size,
+                "pages": len(ids) // self._config.engine.kv_block_size,
                 "cached_tokens": cached,
                 "nodes": held,
             }

@@ -77,6 +77,11 @@ class EngineStats:
     group: str = ""  # EP group this replica is a rank of ("": none)
     rank: int = 0
     group_size: int = 1
+    # What the engine runs with, read back from vLLM once it started.
+    attention_backend: str = ""
+    dtype: str = ""
+    block_size: int = 0
+    prefix_caching: bool = False
 
 
 EngineEvent = Started | TokenDelta | Finish

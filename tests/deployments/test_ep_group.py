@@ -66,7 +66,10 @@ def test_gpu_group_options_and_vllm_arguments() -> None:
     rank = GroupRank("g", 3, 8, "10.0.0.1", 29500)
     kwargs = rank.engine_kwargs() | gpu_engine_kwargs(config)
     # vLLM itself accepts and checks the whole set (no engine is started).
-    args = engine_args("/m", "m", config.engine, parallel=kwargs)
+    args = engine_args("/m", "m", config.resolved().engine, parallel=kwargs)
+    # GPU ranks: the checkpoint's dtype, vLLM's choice of MLA kernel, and the
+    # 64-token blocks every one of them takes (the ingress hashes with it).
+    assert (args.dtype, args.attention_backend, args.block_size) == ("auto", None, 64)
     assert (args.data_parallel_size, args.data_parallel_rank) == (8, 3)
     assert args.data_parallel_address == "10.0.0.1"
     assert args.data_parallel_rpc_port == 29500
@@ -114,7 +117,7 @@ def test_expert_load_is_measured_by_default_only_in_eager_mode() -> None:
         {"expert_parallel": {"ranks": 2, "accelerator": "GPU", "eplb": True}}
     )
     assert not graphs.engine.measures_expert_load
-    args = engine_args("/m", "m", graphs.engine)
+    args = engine_args("/m", "m", graphs.resolved().engine)
     assert args.worker_extension_cls == ""
     assert _config().engine.measures_expert_load  # enforce_eager: true
 
