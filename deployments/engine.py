@@ -181,6 +181,7 @@ class VLLMEngine:
         self.tokens_generated = 0
         self.warmed = (0, 0)  # prefixes run before taking traffic, tokens loaded
         self.expert_load: ExpertLoadWindow | None = None
+        self._started = 0  # requests (and warmup prefills) begun since has_work
         # (attention backend, dtype, block size, prefix caching) as vLLM runs them
         self.platform: tuple[str, str, int, bool] = ("", "", 0, False)
 
@@ -239,6 +240,7 @@ class VLLMEngine:
 
         rid = request.request_id
         running = self._running[rid] = _Running(request)
+        self._started += 1
         completion = 0
         finished = False
         try:
@@ -299,6 +301,7 @@ class VLLMEngine:
         )
         if tenant:
             prompt["cache_salt"] = tenant
+        self._started += 1
         cached = 0
         async for out in self._engine.generate(
             prompt,
@@ -351,6 +354,11 @@ class VLLMEngine:
             return
         [counts, *_] = await self._engine.collective_rpc("moe_expert_load_take")
         self.expert_load.add(time.monotonic(), counts)
+
+    def has_work(self) -> bool:
+        """Whether a request has run since the last call (or still runs)."""
+        started, self._started = self._started, 0
+        return started > 0 or self._engine.get_num_unfinished_requests() > 0
 
     def expert_load_snapshot(self) -> ExpertLoad | None:
         if self.expert_load is None:
@@ -456,8 +464,18 @@ class EngineDeployment:
         logger.info("engine replica %s ready", replica_id)
 
     async def _poll_expert_load(self, config: ClusterConfig) -> None:
+        # NOTE: a collective_rpc wakes vLLM's workers, whose message queue then
+        # busy-polls for a second (shm_broadcast's busy_loop_s): polling an idle
+        # engine every 0.5 s kept each worker at ~90% CPU. An idle engine routes
+        # no tokens, so its workers are asked only while it has work, and once
+        # more after it runs out (the last steps' counts).
+        busy = False
         while True:
             await asyncio.sleep(config.router.report_interval_s)
+            now_busy = self._engine.has_work()
+            if not (busy or now_busy):
+                continue
+            busy = now_busy
             try:
                 await self._engine.poll_expert_load()
             except Exception as e:  # a dead engine is the health check's business
