@@ -33,12 +33,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from deployments.app import deploy, prepare_model
+    from deployments.ray_connect import init_ray
     from kvstore import actor as kv_actor
     from router import actor as router_actor
 
     config = prepare_model(_config(args.config))
+    print(f"moe-cluster: engines get {config.engine_platform().describe()}", flush=True)
     started = time.monotonic()
-    ray.init(address=args.address, namespace="moe-cluster")
+    init_ray(args.address, namespace="moe-cluster")
     deploy(config)
     s = config.server
     print(
@@ -133,9 +135,10 @@ def cmd_router(args: argparse.Namespace) -> int:
 
     import ray
 
+    from deployments.ray_connect import init_ray
     from router import actor as router_actor
 
-    ray.init(address=args.address, namespace="moe-cluster-cli", logging_level="ERROR")
+    init_ray(args.address, namespace="moe-cluster-cli", logging_level="ERROR")
     try:
         name = router_actor.actor_name(args.app)
         try:
@@ -168,7 +171,12 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="start a local Ray cluster serving the config")
     s.add_argument("--config", help=f"YAML config (default: {DEFAULT_CONFIG.name})")
-    s.add_argument("--address", default=None, help="existing Ray cluster to join")
+    s.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster to join (host:port, or auto: RAY_ADDRESS or the last "
+        "`ray start`); default: start a new local one",
+    )
     s.add_argument("--no-block", action="store_true", help="return once serving")
     s.set_defaults(func=cmd_serve)
 
@@ -215,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ConnectionError) as e:
         print(f"moe-cluster: {e}", file=sys.stderr)
         return 2
 
