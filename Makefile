@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= cluster/configs/tiny-cpu.yaml
 MODEL  := .models/tiny-deepseek-v2
 
-.PHONY: install serve test lint unit model proto clean bench-peers bench-qos bench-kv bench-ep
+.PHONY: install serve test test-cpu-mla lint unit model proto clean bench-peers bench-qos bench-kv bench-ep
 
 install: $(STAMP)
 
@@ -35,6 +35,11 @@ test: lint
 
 unit: install
 	$(BIN)/pytest -m 'not integration'
+
+# The suite on the reference CPU_MLA backend, as a CPU without AMX runs it (on an
+# AMX machine the other app of test_backends.py is then the AMX one).
+test-cpu-mla: lint
+	MOE_CLUSTER_TEST_BACKEND=CPU_MLA $(BIN)/pytest
 
 proto: install
 	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. \

@@ -13,7 +13,9 @@ MAX_MESSAGE_BYTES = 64 << 20
 
 
 class InferenceClient:
-    def __init__(self, target: str, api_key: str = "") -> None:
+    def __init__(self, target: str, api_key: str = "", application: str = "") -> None:
+        """``application``: the Serve app to reach where the cluster runs several
+        (Serve's gRPC proxy picks it by this metadata key)."""
         self.channel = grpc.insecure_channel(
             target,
             options=[
@@ -22,9 +24,10 @@ class InferenceClient:
             ],
         )
         self.stub = InferenceStub(self.channel)
-        self.metadata: Sequence[tuple[str, str]] = (
-            (("authorization", f"Bearer {api_key}"),) if api_key else ()
-        )
+        metadata = [("authorization", f"Bearer {api_key}")] if api_key else []
+        if application:
+            metadata.append(("application", application))
+        self.metadata: Sequence[tuple[str, str]] = tuple(metadata)
 
     def generate(
         self, request: pb.GenerateRequest, timeout: float | None = None

@@ -2,13 +2,20 @@
 
 Two vLLM engine replicas on the tiny model (one CPU each), the gRPC and HTTP
 proxies on free loopback ports, an API key configured so authentication is on.
+The engines get what ``engine.attention_backend: auto`` gives on this CPU
+(``PLATFORM``: AMX_MLA with bfloat16 and 128-token blocks where the CPU has AMX,
+the reference CPU_MLA with float32 and 16-token blocks elsewhere); tests read
+block sizes and page shapes from it. ``test_backends.py`` runs the other path
+beside it where this CPU can.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +23,7 @@ from typing import Any
 import pytest
 
 from cluster.config import ClusterConfig
+from cluster.platform import EnginePlatform
 from deployments.client import InferenceClient
 
 API_KEY = "test-key-123"
@@ -24,13 +32,28 @@ API_KEY = "test-key-123"
 # The engines of the session's app. tests/ep/two_nodes.py runs its EP group with the
 # same settings: its greedy tokens are compared with these engines'.
 ENGINE: dict[str, Any] = {
-    "dtype": "float32",
-    "max_model_len": 512,
+    # auto: what this CPU gets. MOE_CLUSTER_TEST_BACKEND=CPU_MLA runs the session
+    # on the reference backend instead (what a CPU without AMX gets), so an AMX
+    # machine can run the whole suite the way such a machine does: `make
+    # test-cpu-mla`.
+    "attention_backend": os.environ.get("MOE_CLUSTER_TEST_BACKEND", "auto"),
+    "max_model_len": 2048,  # the tiny model's positions: 16 blocks of 128
     "kv_cache_memory_bytes": 64 << 20,
     "max_num_seqs": 16,
     "enforce_eager": True,
     "omp_num_threads": 1,
 }
+# What the session's engines run with on this machine (they report it back).
+PLATFORM: EnginePlatform = ClusterConfig.model_validate(
+    {"engine": ENGINE}
+).engine_platform()
+TINY_LAYERS, TINY_LATENT = 4, 576  # the tiny model's MLA layers and latent width
+
+
+def page_bytes(p: EnginePlatform) -> int:
+    """One KV page of the tiny model: every layer's block of latents."""
+    itemsize = 2 if p.dtype in ("bfloat16", "float16") else 4
+    return TINY_LAYERS * p.block_size * TINY_LATENT * itemsize
 
 
 def free_port() -> int:
@@ -46,10 +69,13 @@ class Served:
     http_base: str
     api_key: str
     metrics_url: str  # Ray's Prometheus endpoint
+    application: str = ""  # Serve app named in gRPC calls ("": the only one)
 
     def client(self, api_key: str | None = None) -> InferenceClient:
         return InferenceClient(
-            self.grpc_target, self.api_key if api_key is None else api_key
+            self.grpc_target,
+            self.api_key if api_key is None else api_key,
+            self.application,
         )
 
 
@@ -61,6 +87,45 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: bool(getattr(item.module, "RUN_LAST", False)))
 
 
+def app_settings(tiny_model: Path, **sections: dict[str, Any]) -> dict[str, Any]:
+    """The session app's config mapping, each of ``sections`` merged into its
+    section (another app beside it changes its name and what it tests)."""
+    settings: dict[str, Any] = {
+        "model": {"path": str(tiny_model)},
+        "engine": ENGINE,
+        "deployment": {
+            "num_replicas": 2,
+            "num_cpus": 1,
+            "health_check_period_s": 2,
+            "max_ongoing_requests": 8,
+        },
+        "router": {
+            # 2 replicas x 6 running; small queues, so the overload test
+            # can fill them while the other tests' bursts (8) still fit.
+            "max_running_per_replica": 6,
+            "realtime_reserved_slots": 2,
+            "max_queued": {"realtime": 8, "normal": 12, "background": 64},
+            "breaker_open_s": 3,
+            "report_interval_s": 0.25,
+        },
+        "kvstore": {
+            # 64 pages of the tiny model: the eviction test can fill it.
+            "capacity_bytes": 64 * page_bytes(PLATFORM),
+            "sync_interval_s": 0.25,
+        },
+        "server": {
+            "http_port": free_port(),
+            "grpc_port": free_port(),
+            "api_keys": [API_KEY],
+            "max_prompt_bytes": 4096,
+            "app_name": "moe-cluster-test",
+        },
+    }
+    for name, values in sections.items():
+        settings[name] = {**settings.get(name, {}), **values}
+    return settings
+
+
 @pytest.fixture(scope="session")
 def served(tiny_model: Path) -> Iterator[Served]:
     import ray
@@ -68,50 +133,25 @@ def served(tiny_model: Path) -> Iterator[Served]:
 
     from deployments.app import deploy, prepare_model
 
-    config = prepare_model(
-        ClusterConfig.model_validate(
-            {
-                "model": {"path": str(tiny_model)},
-                "engine": ENGINE,
-                "deployment": {
-                    "num_replicas": 2,
-                    "num_cpus": 1,
-                    "health_check_period_s": 2,
-                    "max_ongoing_requests": 8,
-                },
-                "router": {
-                    # 2 replicas x 6 running; small queues, so the overload test
-                    # can fill them while the other tests' bursts (8) still fit.
-                    "max_running_per_replica": 6,
-                    "realtime_reserved_slots": 2,
-                    "max_queued": {"realtime": 8, "normal": 12, "background": 64},
-                    "breaker_open_s": 3,
-                    "report_interval_s": 0.25,
-                },
-                "kvstore": {
-                    # 200 pages of the tiny model (147 KiB each): the eviction
-                    # test can fill it.
-                    "capacity_bytes": 200 * 147456,
-                    "sync_interval_s": 0.25,
-                },
-                "server": {
-                    "http_port": free_port(),
-                    "grpc_port": free_port(),
-                    "api_keys": [API_KEY],
-                    "max_prompt_bytes": 4096,
-                    "app_name": "moe-cluster-test",
-                },
-            }
-        )
-    )
+    config = prepare_model(ClusterConfig.model_validate(app_settings(tiny_model)))
+    assert config.engine_platform() == PLATFORM
     metrics_port = free_port()
+    # A new local cluster, whatever a killed run left in Ray's temp directory.
+    # 4 logical CPUs on 2 cores: another app's engines (test_backends.py) run
+    # beside the session's, which idle meanwhile.
     ray.init(
-        num_cpus=2,
+        address="local",
+        num_cpus=4,
         include_dashboard=False,
         namespace="moe-cluster-test",
         _metrics_export_port=metrics_port,
     )
     deploy(config)
+    # Every test below runs on the backend the header names: the engines say so.
+    handle = serve.get_deployment_handle("Engine", config.server.app_name)
+    for stats in engine_stats(handle).values():
+        got = (stats.attention_backend, stats.dtype, stats.block_size)
+        assert got == (PLATFORM.backend.value, PLATFORM.dtype, PLATFORM.block_size)
     s = config.server
     yield Served(
         config,
@@ -119,12 +159,46 @@ def served(tiny_model: Path) -> Iterator[Served]:
         f"http://127.0.0.1:{s.http_port}",
         API_KEY,
         f"http://127.0.0.1:{metrics_port}/metrics",
+        # Named in every call: with another app beside it (test_backends.py)
+        # Serve's gRPC proxy needs to know which.
+        application=s.app_name,
     )
     serve.shutdown()
     from kvstore import actor as kv_actor
 
     kv_actor.kill(config.server.app_name)  # unlinks the arenas
     ray.shutdown()
+
+
+@contextmanager
+def another_app(served: Served, settings: dict[str, Any]) -> Iterator[Served]:
+    """A second app on the session's cluster and proxies (its own engines,
+    router and page store), at ``/<app name>`` on HTTP and by name on gRPC;
+    deleted, with its router and stores, on exit."""
+    from ray import serve
+
+    from deployments.app import build_app, prepare_model
+    from kvstore import actor as kv_actor
+    from router import actor as router_actor
+
+    s = served.config.server
+    settings["server"] |= {"http_port": s.http_port, "grpc_port": s.grpc_port}
+    config = prepare_model(ClusterConfig.model_validate(settings))
+    app = config.server.app_name
+    serve.run(build_app(config), name=app, route_prefix=f"/{app}")
+    try:
+        yield Served(
+            config,
+            served.grpc_target,
+            f"{served.http_base}/{app}",
+            served.api_key,
+            served.metrics_url,
+            application=app,
+        )
+    finally:
+        serve.delete(app)
+        router_actor.kill(app)
+        kv_actor.kill(app)
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,9 @@ import httpx
 import pytest
 
 from deployments.proto import inference_pb2 as pb
-from tests.integration.conftest import Served
+from tests.integration.conftest import ENGINE, Served
+
+CONTEXT = ENGINE["max_model_len"]
 
 MODEL = "tiny-deepseek-v2"
 IDS = pb.TokenIds(ids=[410, 465, 14])
@@ -51,9 +53,9 @@ GRPC_CASES = [
     ),
     (
         "prompt longer than context",
-        gen(token_ids=pb.TokenIds(ids=[7] * 600)),
+        gen(token_ids=pb.TokenIds(ids=[7] * (CONTEXT + 88))),
         INVALID,
-        "context is 512",
+        f"context is {CONTEXT}",
     ),
     ("text over the byte limit", gen(text="x" * 5000), INVALID, "text"),
     ("max_tokens zero", gen(sampling=sp(max_tokens=0)), INVALID, "sampling.max_tokens"),
@@ -65,7 +67,7 @@ GRPC_CASES = [
     ),
     (
         "max_tokens beyond context",
-        gen(sampling=sp(max_tokens=600)),
+        gen(sampling=sp(max_tokens=CONTEXT + 88)),
         INVALID,
         "sampling.max_tokens",
     ),
@@ -193,7 +195,7 @@ HTTP_CASES: list[tuple[str, str, Any, int, str | None]] = [
     (
         "prompt longer than context",
         "completions",
-        COMPLETION | {"prompt": [7] * 600},
+        COMPLETION | {"prompt": [7] * (CONTEXT + 88)},
         400,
         "prompt",
     ),

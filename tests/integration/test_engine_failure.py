@@ -19,7 +19,7 @@ from tests.integration.conftest import (
     metric_lines,
     wait_until,
 )
-from tests.integration.test_kvstore import generate, unique_prompt
+from tests.integration.test_kvstore import BLOCK, generate, unique_prompt
 from tests.integration.test_router import router_snapshot
 
 RUN_LAST = True  # kills an engine; the cluster heals within the test
@@ -77,7 +77,7 @@ def test_dead_engine_fails_its_streams_opens_its_breaker_and_is_replaced(
         assert not t.is_alive(), "a stream hung after its engine died"
     # Pages the node's store holds while the replacement starts: served from the
     # store 4 times, the cluster's hottest prefix.
-    kept = unique_prompt(6 * 16 + 1)
+    kept = unique_prompt(6 * BLOCK + 1)
     for _ in range(5):
         generate(engine_handle, "", kept)
     for rid in rids:
@@ -130,9 +130,9 @@ def test_dead_engine_fails_its_streams_opens_its_breaker_and_is_replaced(
     (new,) = set(now) - set(before)
     # It ran the cluster's hot prefixes (loaded from the store) before traffic...
     assert now[new].warmed_prefixes >= 1
-    assert now[new].warmed_cached_tokens >= 5 * 16
+    assert now[new].warmed_cached_tokens >= 5 * BLOCK
     # ... and serves the pages stored before the crash.
-    assert generate(engine_handle, new, kept).finish.cached_tokens == 6 * 16
+    assert generate(engine_handle, new, kept).finish.cached_tokens == 6 * BLOCK
     store_after = ray.get(store.summary.remote())
     assert store_after["node"] == store_before["node"]
     assert store_after["saved_pages"] >= store_before["saved_pages"]

@@ -21,7 +21,7 @@ from cluster.tiny_model import (
     greedy_successors,
 )
 from deployments.proto import inference_pb2 as pb
-from tests.integration.conftest import Served, engine_stats, wait_until
+from tests.integration.conftest import ENGINE, Served, engine_stats, wait_until
 from tests.integration.test_router import router_snapshot
 
 PROMPT_IDS = [410, 465, 14, 318, 496]
@@ -123,7 +123,7 @@ def test_model_info(served: Served) -> None:
     info = served.client().model_info()
     assert info.model == "tiny-deepseek-v2"
     assert info.architecture == "DeepseekV2ForCausalLM"
-    assert (info.max_context, info.vocab_size) == (512, 1024)
+    assert (info.max_context, info.vocab_size) == (ENGINE["max_model_len"], 1024)
     assert (info.num_routed_experts, info.experts_per_token) == (16, 2)
     assert (info.num_shared_experts, info.num_moe_layers) == (1, 3)
     assert (info.num_expert_groups, info.topk_groups) == (4, 2)

@@ -25,7 +25,7 @@ import numpy as np
 import ray
 from ray.cluster_utils import Cluster
 
-from cluster.config import KVStoreConfig
+from cluster.config import ClusterConfig, KVStoreConfig
 from kvstore import actor as kv_actor
 from kvstore.arena import Arena
 from kvstore.rpc import StoreClient
@@ -36,6 +36,10 @@ ENGINES = "two-nodes-engines"
 PAGE = 147456  # one tiny-model page
 PAGES = 8
 STORE = KVStoreConfig(capacity_bytes=64 * PAGE, sync_interval_s=0.1)
+# The engines': what engine.attention_backend auto gives on this CPU.
+PLATFORM = ClusterConfig().engine_platform()
+ENGINE_BLOCKS = 6  # full blocks of the prompt node 1 computes and node 2 loads
+ENGINE_STORE = KVStoreConfig(capacity_bytes=64 << 20, sync_interval_s=0.1)
 
 
 def main() -> None:
@@ -101,8 +105,8 @@ def main() -> None:
     a2.close()
     if len(sys.argv) > 1:
         # Fresh stores: the engines' pages are of another layout than the above.
-        e1 = kv_actor.get_or_create_store(ENGINES, n1, STORE)
-        e2 = kv_actor.get_or_create_store(ENGINES, n2, STORE)
+        e1 = kv_actor.get_or_create_store(ENGINES, n1, ENGINE_STORE)
+        e2 = kv_actor.get_or_create_store(ENGINES, n2, ENGINE_STORE)
         socks = ray.get([e1.start.remote(), e2.start.remote()])
         print(json.dumps(engines(sys.argv[1], *socks, e2)), flush=True)
         kv_actor.kill(ENGINES)
@@ -121,12 +125,17 @@ class Engine:
 
         self.llm = LLM(
             model=model,
-            dtype="float32",
-            max_model_len=512,
+            attention_backend=PLATFORM.vllm_backend,
+            dtype=PLATFORM.dtype,
+            block_size=PLATFORM.block_size,
+            max_model_len=2048,
             kv_cache_memory_bytes=32 << 20,
             enforce_eager=True,
             kv_transfer_config=transfer_config(socket),
         )
+
+    def block_size(self) -> int:
+        return int(self.llm.llm_engine.vllm_config.cache_config.block_size)
 
     def generate(self, prompt: list[int]) -> tuple[list[int], int, float]:
         from vllm import SamplingParams
@@ -145,7 +154,7 @@ def engines(model: str, sock1: str, sock2: str, store2: Any) -> dict[str, Any]:
     cls = ray.remote(num_cpus=1)(Engine)
     e1 = cls.options(resources={"node-1": 1}).remote(model, sock1)
     e2 = cls.options(resources={"node-2": 1}).remote(model, sock2)
-    prompt = list(range(3, 3 + 12 * 16 + 1))  # 12 full blocks + 1 token
+    prompt = list(range(3, 3 + ENGINE_BLOCKS * PLATFORM.block_size + 1))  # + 1 token
     before = ray.get(store2.summary.remote())["imported_pages"]
     tokens1, cached1, _ = ray.get(e1.generate.remote(prompt))
     time.sleep(0.5)  # node 1's pages reach the directory, and node 2's mirror
@@ -157,6 +166,7 @@ def engines(model: str, sock1: str, sock2: str, store2: Any) -> dict[str, Any]:
         "same_tokens": tokens1 == tokens2,
         "engine_node_2_imported_pages": after - before,
         "engine_node_2_request_s": round(seconds2, 3),
+        "block_size": ray.get(e2.block_size.remote()),
     }
 
 
