@@ -40,7 +40,9 @@ def _config(model: str, replicas: int, ranks: int) -> ClusterConfig:
         {
             "model": {"path": model},
             "engine": {
-                "dtype": "float32",
+                # EP groups on CPU run the float32 reference path (cluster.platform);
+                # the single-rank variants run it too, for a like-for-like figure.
+                "attention_backend": "CPU_MLA",
                 "max_model_len": 512,
                 "kv_cache_memory_bytes": 64 << 20,
                 "max_num_seqs": 32,

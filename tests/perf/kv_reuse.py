@@ -42,7 +42,6 @@ def _config(model: str, store: bool, warmup: int) -> ClusterConfig:
         {
             "model": {"path": model},
             "engine": {
-                "dtype": "float32",
                 "max_model_len": 1024,
                 "kv_cache_memory_bytes": 128 << 20,
                 "max_num_seqs": 16,

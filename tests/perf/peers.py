@@ -14,13 +14,13 @@ import os
 import sys
 from pathlib import Path
 
+from cluster.config import ClusterConfig
 from cluster.tiny_model import write_tiny_model
 from deployments.cli import wait_for_stop_signal
 
 MODEL_DIR = Path(".models/tiny-deepseek-v2")
 NAME = "tiny-deepseek-v2"
 ENGINE = {
-    "dtype": "float32",
     "max_model_len": 2048,
     "kv_cache_memory_bytes": 256 << 20,
     "max_num_seqs": 32,
@@ -29,14 +29,28 @@ ENGINE = {
 ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 
 
+def platform_kwargs() -> dict[str, object]:
+    """The attention backend, dtype and block size moe-cluster's auto picks on this
+    CPU, for the peers' engines."""
+    p = ClusterConfig().engine_platform()
+    return {
+        "attention_backend": p.vllm_backend,
+        "dtype": p.dtype,
+        "block_size": p.block_size,
+    }
+
+
 def vllm_command(port: int) -> list[str]:
     # vLLM's own OpenAI server, as `vllm serve` runs it. (vllm-cpu 0.32.0's `vllm`
     # script fails at start: it asks for the version of a distribution named
     # "vllm", but vllm-cpu installs as "vllm-cpu".)
     server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    p = platform_kwargs()
     return [
         *server, "--model", str(MODEL_DIR.resolve()), "--served-model-name", NAME,
-        "--port", str(port), "--dtype", ENGINE["dtype"],
+        "--port", str(port), "--dtype", str(p["dtype"]),
+        "--block-size", str(p["block_size"]),
+        "--attention-backend", str(p["attention_backend"]),
         "--max-model-len", str(ENGINE["max_model_len"]),
         "--kv-cache-memory-bytes", str(ENGINE["kv_cache_memory_bytes"]),
         "--max-num-seqs", str(ENGINE["max_num_seqs"]), "--enforce-eager",
@@ -66,7 +80,7 @@ def serve_ray_serve_llm(port: int, replicas: int, prefix_router: bool) -> None:
             "model_id": NAME,
             "model_source": str(MODEL_DIR.resolve()),
         },
-        engine_kwargs=ENGINE,
+        engine_kwargs={**ENGINE, **platform_kwargs()},
         accelerator_config={"kind": "cpu"},
         placement_group_config={"bundles": [{"CPU": 1}]},
         deployment_config=deployment,
