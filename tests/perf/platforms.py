@@ -15,8 +15,9 @@ one core each, on the tiny model:
   ``--idle-s`` seconds without requests, after 5 s of quiet;
 - prefix hit rate (engines with their own prefix cache only): ``router.policy``
   prefix against least_loaded, the page store off so that only the engines' KV
-  events say where a prefix lives; 4 shared 512-token prefixes, 64 requests that
-  add 32 tokens each, 4 at a time. The hit rate is the router's: prompt blocks the
+  events say where a prefix lives; 24 shared 1024-token prefixes (more than one
+  engine's 64 MiB cache holds), 192 requests that add 32 tokens each, 4 at a
+  time. The hit rate is the router's: prompt blocks the
   chosen replica held, over prompt blocks placed; the cached share is the
   engines' own ``cached_tokens`` over prompt tokens.
 
@@ -49,7 +50,11 @@ from tests.ep.two_nodes import complete
 RESULTS = Path(__file__).parent / "results"
 APP = "moe-cluster-platform-bench"
 HTTP_PORT, GRPC_PORT = 18143, 18144
-PREFIXES, PREFIX_LEN, SUFFIX_LEN, REQUESTS, CONCURRENCY = 4, 512, 32, 64, 4
+# More shared prefixes than one engine's KV cache holds (24 x 1024 tokens against
+# ~14.5k tokens of cache each at bfloat16): where each prefix goes decides what
+# stays cached.
+PREFIXES, PREFIX_LEN, SUFFIX_LEN, REQUESTS, CONCURRENCY = 24, 1024, 32, 192, 4
+PREFIX_RUN_KV_BYTES = 64 << 20
 
 
 def _config(model: str, backend: str, **sections: dict[str, Any]) -> ClusterConfig:
@@ -157,9 +162,11 @@ def _idle_cpu(stats: dict[str, Any], seconds: float) -> list[float]:
     return out
 
 
-async def _shared_prefix_load(block: int) -> dict[str, Any]:
+async def _shared_prefix_load() -> dict[str, Any]:
     rng = random.Random(7)
-    prefixes = [[rng.randrange(3, 1000) for _ in range(PREFIX_LEN)] for _ in range(4)]
+    prefixes = [
+        [rng.randrange(3, 1000) for _ in range(PREFIX_LEN)] for _ in range(PREFIXES)
+    ]
     prompts = [
         prefixes[i % PREFIXES] + [rng.randrange(3, 1000) for _ in range(SUFFIX_LEN)]
         for i in range(REQUESTS)
@@ -224,10 +231,14 @@ def run_path(model: str, backend: str, idle_s: float) -> dict[str, Any]:
     if result["prefix_caching"]:
         for policy in ("prefix", "least_loaded"):
             cfg = _config(
-                model, backend, router={"policy": policy}, kvstore={"enabled": False}
+                model,
+                backend,
+                engine={"kv_cache_memory_bytes": PREFIX_RUN_KV_BYTES},
+                router={"policy": policy},
+                kvstore={"enabled": False},
             )
             with Deployed(cfg):
-                load = asyncio.run(_shared_prefix_load(result["block_size"]))
+                load = asyncio.run(_shared_prefix_load())
                 snap = _router_snapshot()
             rate = snap["prefix_hit_rate"]
             result[f"shared_prefix_{policy}"] = load | {
