@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from cluster import platform
-from router.qos import QoS
+from cluster.qos import QoS
 
 DEFAULT_TINY_MODEL_DIR = ".models/tiny-deepseek-v2"
 

@@ -14,6 +14,9 @@ class Env:
     api_key: str = ""
     # Config file `moe-cluster serve` loads when --config is not given.
     config: str = ""
+    # PYTHONHASHSEED: vLLM seeds its prefix block hashes with it when set, so the
+    # ingress's hashes (kvstore.block_hash) must too. None: unset.
+    python_hash_seed: str | None = None
 
 
 def read_env() -> Env:
@@ -22,4 +25,5 @@ def read_env() -> Env:
         target=os.environ.get("MOE_CLUSTER_TARGET", default.target),
         api_key=os.environ.get("MOE_CLUSTER_API_KEY", default.api_key),
         config=os.environ.get("MOE_CLUSTER_CONFIG", default.config),
+        python_hash_seed=os.environ.get("PYTHONHASHSEED"),
     )

@@ -20,6 +20,7 @@ import ray
 from ray import serve
 
 from cluster.config import ClusterConfig, EngineConfig
+from cluster.qos import QoS
 from deployments import ep_group, kv_events
 from deployments.ep_group import GroupRank
 from deployments.expert_load import ExpertLoadWindow
@@ -33,7 +34,6 @@ from deployments.protocol import (
 )
 from deployments.reporter import Reporter
 from deployments.stream_batcher import DeltaBatcher
-from router.qos import QoS
 from router.types import ExpertLoad, RequestProgress
 
 if TYPE_CHECKING:
@@ -560,7 +560,8 @@ async def _follow_store(
     """Feeds the node store's page changes to the router reports (a replica can
     serve from cache whatever its node's store holds), and starts a new store on
     the node if this one died: the engines' connectors re-attach to its arena."""
-    from router.types import BlockHash, KVEvent
+    from kvstore.block_hash import BlockHash
+    from router.types import KVEvent
 
     incarnation, seq = "", -1
     while True:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import grpc
 
 from deployments.validation import InvalidRequest
+from router.types import Shed
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,8 +43,14 @@ class DeadlineMissed(ServiceError):
     status = Status(grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout_error")
 
 
+OVERLOADED = Status(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error")
+
+
 class Overloaded(ServiceError):
-    status = Status(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error")
+    """Every engine replica is at capacity (Serve's own back pressure). A request
+    the router sheds arrives as the router's ``Shed``, with the same status."""
+
+    status = OVERLOADED
 
 
 class EngineUnavailable(ServiceError):
@@ -53,9 +60,15 @@ class EngineUnavailable(ServiceError):
 INVALID = Status(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error")
 
 
+# Failures whose message is fit for the client as it stands.
+CLIENT_ERRORS = (InvalidRequest, ServiceError, Shed)
+
+
 def status_of(exc: BaseException) -> Status:
     if isinstance(exc, InvalidRequest):
         return INVALID
+    if isinstance(exc, Shed):
+        return OVERLOADED
     if isinstance(exc, ServiceError):
         return exc.status
     return ServiceError.status

@@ -22,17 +22,17 @@ from typing import Any, Protocol
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 
 from deployments.errors import (
+    CLIENT_ERRORS,
     AlreadyInFlight,
     DeadlineMissed,
     EngineUnavailable,
     Overloaded,
-    ServiceError,
     Unauthenticated,
 )
 from deployments.protocol import EngineEvent, EngineRequest, Finish, Started, TokenDelta
 from deployments.validation import InvalidRequest, Limits
 from router.tickets import TicketMaker
-from router.types import Outcome, Release, ReplicaId, RouteDecision, Shed, Ticket
+from router.types import Outcome, Release, ReplicaId, RouteDecision, Ticket
 
 logger = logging.getLogger("moe_cluster.ingress")
 
@@ -245,7 +245,7 @@ class Frontend:
                 "all engine replicas are at capacity; retry later",
                 retry_after_s=OVERLOAD_RETRY_S,
             ) from None
-        except (InvalidRequest, ServiceError):
+        except CLIENT_ERRORS:  # the router's Shed among them, as it was raised
             raise
         except Exception as e:
             outcome = Outcome.FAILED
@@ -283,8 +283,6 @@ class Frontend:
             # guards against a router that does not answer.
             limit = None if remaining is None else remaining + ADMIT_GRACE_S
             decision = await asyncio.wait_for(waiting, limit)
-        except Shed as e:
-            raise Overloaded(str(e), retry_after_s=e.retry_after_s) from None
         except (asyncio.CancelledError, TimeoutError):
             # Aborted, disconnected or out of time while queued: leave the queue.
             self._admission.release(Release(request.request_id, Outcome.CANCELLED))

@@ -18,12 +18,12 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import DecodeError, Message
 
+from cluster.qos import QoS
 from deployments import validation
 from deployments.frontend import Frontend, ModelFacts
 from deployments.proto import inference_pb2 as pb
 from deployments.proto.inference_pb2_grpc import add_InferenceServicer_to_server
 from deployments.protocol import EngineRequest, Finish, TokenDelta
-from router.qos import QoS
 
 SERVICE = "moecluster.v1.Inference"
 QOS_OF_PROTO = {

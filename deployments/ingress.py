@@ -22,7 +22,7 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.config import ClusterConfig
 from deployments import grpc_api, kv_warm, openai_api, validation
-from deployments.errors import ServiceError, status_of
+from deployments.errors import CLIENT_ERRORS, ServiceError, status_of
 from deployments.frontend import Frontend, ModelFacts
 from deployments.grpc_api import MalformedRequest
 from deployments.kv_warm import WarmRequest
@@ -48,7 +48,7 @@ class StreamFailed(Exception):
 
 
 def _client_message(exc: BaseException) -> str:
-    if isinstance(exc, (validation.InvalidRequest, ServiceError)):
+    if isinstance(exc, CLIENT_ERRORS):
         return str(exc)
     return "internal error"
 

@@ -14,8 +14,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kvstore.block_hash import BlockHash
 from router.prefix import PrefixDirectory
-from router.types import BlockHash, KVEvent, ReplicaId
+from router.types import KVEvent, ReplicaId
 
 logger = logging.getLogger("moe_cluster.engine")
 TOPIC = b"kv"

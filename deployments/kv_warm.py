@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from router.prefix import block_hashes
+from kvstore.block_hash import block_hashes
 
 
 class WarmRequest(BaseModel):

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from cluster.qos import QoS
 from deployments import validation
 from deployments.errors import Status
 from deployments.protocol import EngineRequest, Finish
-from router.qos import QoS
 
 if TYPE_CHECKING:
     from deployments.frontend import Frontend

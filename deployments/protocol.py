@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from router.qos import QoS
+from cluster.qos import QoS
 
 FinishReason = Literal["stop", "length", "abort"]
 

@@ -14,9 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from deployments.errors import EngineUnavailable
-from router.actor import Refused
 from router.tickets import TicketMaker
-from router.types import Release, RouteDecision, Ticket
+from router.types import Release, RouteDecision, Shed, Ticket
 
 logger = logging.getLogger("moe_cluster.ingress")
 RETRY_PAUSE_S = 0.2
@@ -52,8 +51,8 @@ class RouterClient:
                 if isinstance(e, ActorDiedError):
                     self._handle = await asyncio.to_thread(self._connect)
                 continue
-            if isinstance(answer, Refused):
-                raise answer.error()
+            if isinstance(answer, Shed):
+                raise answer
             assert isinstance(answer, RouteDecision)
             return answer
 

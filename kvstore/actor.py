@@ -28,9 +28,9 @@ import numpy as np
 import ray
 
 from cluster.config import KVStoreConfig
+from kvstore.block_hash import BlockHash
 from kvstore.directory import Directory, Entry, NodeId
 from kvstore.node_store import Changes, HotKey, NodeStore
-from kvstore.page_store import PageHash
 from kvstore.rpc import StoreServer
 
 logger = logging.getLogger("moe_cluster.kvstore")
@@ -79,7 +79,7 @@ class KVDirectoryActor:
         self,
         node: NodeId,
         incarnation: str,
-        changes: Changes[PageHash],
+        changes: Changes[BlockHash],
         hot: list[tuple[HotKey, int]],
     ) -> None:
         self.directory.publish(node, incarnation, changes)
@@ -113,8 +113,8 @@ class NodeStoreActor:
             socket_path(app, node_id),
             on_miss=self._on_miss if config.fetch else None,
         )
-        self._fetching: dict[PageHash, asyncio.Task[int]] = {}
-        self._settled: dict[PageHash, float] = {}  # fetch ended: don't retry at once
+        self._fetching: dict[BlockHash, asyncio.Task[int]] = {}
+        self._settled: dict[BlockHash, float] = {}  # fetch ended: don't retry at once
         self._started = False
         self._directory: Any = None
         self._metrics = _StoreMetrics(node_id)
@@ -157,7 +157,7 @@ class NodeStoreActor:
 
     # -- fetching from other nodes -----------------------------------------------
 
-    def _on_miss(self, hashes: Sequence[PageHash], first_missing: int) -> bool:
+    def _on_miss(self, hashes: Sequence[BlockHash], first_missing: int) -> bool:
         key = hashes[first_missing]
         if key in self._fetching:
             return True
@@ -172,7 +172,7 @@ class NodeStoreActor:
         task.add_done_callback(lambda _: self._fetch_done(key))
         return True
 
-    def _fetch_done(self, key: PageHash) -> None:
+    def _fetch_done(self, key: BlockHash) -> None:
         self._fetching.pop(key, None)
         self._settled[key] = time.monotonic()
         if len(self._settled) > 4096:
@@ -180,7 +180,7 @@ class NodeStoreActor:
             self._settled = {k: t for k, t in self._settled.items() if t > cutoff}
 
     def _fetch_from_peer(
-        self, missing: Sequence[PageHash]
+        self, missing: Sequence[BlockHash]
     ) -> Coroutine[Any, Any, int] | None:
         """Fetching the longest run of ``missing`` another node holds (as the
         directory was last mirrored), or None when no other node holds its first."""
@@ -190,10 +190,10 @@ class NodeStoreActor:
         node, n = found
         return self._fetch(node, list(missing[:n]))
 
-    async def _fetch(self, node: NodeId, hashes: list[PageHash]) -> int:
+    async def _fetch(self, node: NodeId, hashes: list[BlockHash]) -> int:
         try:
             remote = ray.get_actor(store_name(self.app, node), namespace=NAMESPACE)
-            got: list[PageHash]
+            got: list[BlockHash]
             pages: np.ndarray
             got, pages = await asyncio.wait_for(
                 remote.export.remote(hashes), self.config.fetch_timeout_s
@@ -205,7 +205,7 @@ class NodeStoreActor:
             logger.warning("fetching %d pages from %s failed: %s", len(hashes), node, e)
             return 0
 
-    async def pull(self, hashes: list[PageHash]) -> int:
+    async def pull(self, hashes: list[BlockHash]) -> int:
         """Makes the longest prefix of ``hashes`` local (fetching what another node
         holds); returns how many pages of it are here now."""
         have = self.store.held(hashes)
@@ -218,21 +218,21 @@ class NodeStoreActor:
 
     # -- what other nodes and operators call ------------------------------------
 
-    def export(self, hashes: list[PageHash]) -> tuple[list[PageHash], np.ndarray]:
+    def export(self, hashes: list[BlockHash]) -> tuple[list[BlockHash], np.ndarray]:
         return self.store.export(hashes)
 
     def summary(self) -> dict[str, Any]:
         arena = self.store.arena.name if self.store.arena is not None else ""
         return {"node": self.node_id, "arena": arena, **self.store.summary()}
 
-    def changes(self, incarnation: str, since: int) -> tuple[str, Changes[PageHash]]:
+    def changes(self, incarnation: str, since: int) -> tuple[str, Changes[BlockHash]]:
         """Page changes after ``since`` of the store ``incarnation`` (everything,
         when that is not this one)."""
         if incarnation != self.incarnation:
             since = -1
         return self.incarnation, self.store.changes(since)
 
-    def corrupt(self, h: PageHash) -> bool:
+    def corrupt(self, h: BlockHash) -> bool:
         """Flips a byte of a stored page (tests and drills: the checksum must catch
         it and the page be recomputed)."""
         index, arena = self.store.index, self.store.arena

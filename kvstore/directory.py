@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
+from kvstore.block_hash import BlockHash
 from kvstore.node_store import ChangeLog, Changes, HotKey
-from kvstore.page_store import PageHash
 
 NodeId = str
-Entry = tuple[NodeId, PageHash]
+Entry = tuple[NodeId, BlockHash]
 
 
 class Directory:
@@ -24,8 +24,8 @@ class Directory:
     ``log`` records every change to it."""
 
     def __init__(self) -> None:
-        self._by_node: dict[NodeId, set[PageHash]] = {}
-        self._holders: dict[PageHash, set[NodeId]] = {}
+        self._by_node: dict[NodeId, set[BlockHash]] = {}
+        self._holders: dict[BlockHash, set[NodeId]] = {}
         self._cursor: dict[NodeId, tuple[str, int]] = {}  # node -> (incarnation, seq)
         self._hot: dict[NodeId, list[tuple[HotKey, int]]] = {}
         self.log: ChangeLog[Entry] = ChangeLog(self._entries)
@@ -39,7 +39,7 @@ class Directory:
         return known[1] if known is not None and known[0] == incarnation else -1
 
     def publish(
-        self, node: NodeId, incarnation: str, changes: Changes[PageHash]
+        self, node: NodeId, incarnation: str, changes: Changes[BlockHash]
     ) -> None:
         if changes.full:
             for h in self._by_node.get(node, set()) - set(changes.added):
@@ -73,11 +73,11 @@ class Directory:
         for node, h in changes.removed:
             self._remove(node, h)
 
-    def holders(self, h: PageHash) -> set[NodeId]:
+    def holders(self, h: BlockHash) -> set[NodeId]:
         return set(self._holders.get(h, ()))
 
     def locate(
-        self, hashes: Sequence[PageHash], exclude: NodeId = ""
+        self, hashes: Sequence[BlockHash], exclude: NodeId = ""
     ) -> tuple[NodeId, int] | None:
         """The node other than ``exclude`` holding the longest run of ``hashes``
         from the first one, and the run's length."""
@@ -108,14 +108,14 @@ class Directory:
     def _entries(self) -> list[Entry]:
         return [(node, h) for node, hs in self._by_node.items() for h in hs]
 
-    def _add(self, node: NodeId, h: PageHash) -> None:
+    def _add(self, node: NodeId, h: BlockHash) -> None:
         held = self._by_node.setdefault(node, set())
         if h not in held:
             held.add(h)
             self._holders.setdefault(h, set()).add(node)
             self.log.record(True, (node, h))
 
-    def _remove(self, node: NodeId, h: PageHash) -> None:
+    def _remove(self, node: NodeId, h: BlockHash) -> None:
         held = self._by_node.get(node)
         if held is None or h not in held:
             return

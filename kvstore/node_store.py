@@ -26,7 +26,8 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from kvstore.arena import Arena, Bytes, CorruptPage
-from kvstore.page_store import PageHash, PageIndex, PageRef
+from kvstore.block_hash import BlockHash
+from kvstore.page_store import PageIndex, PageRef
 
 T = TypeVar("T")
 
@@ -84,7 +85,7 @@ HotKey = tuple[str, tuple[int, ...]]  # (tenant salt, token ids of the prefix)
 
 # (hashes, first missing position) -> True when the missing pages are being
 # fetched from another node and the caller should ask again shortly.
-MissHook = Callable[[Sequence[PageHash], int], bool]
+MissHook = Callable[[Sequence[BlockHash], int], bool]
 
 
 @dataclass
@@ -95,16 +96,16 @@ class HotPrefixes:
 
     limit: int = 256
     counts: Counter[HotKey] = field(default_factory=Counter)
-    _by_page: dict[PageHash, HotKey] = field(default_factory=dict)
+    _by_page: dict[BlockHash, HotKey] = field(default_factory=dict)
 
-    def hit(self, salt: str, tokens: Sequence[int], last_page: PageHash) -> None:
+    def hit(self, salt: str, tokens: Sequence[int], last_page: BlockHash) -> None:
         key = (salt, tuple(tokens))
         if key not in self.counts and len(self.counts) >= self.limit:
             self._forget_key(min(self.counts, key=self.counts.__getitem__))
         self.counts[key] += 1
         self._by_page[last_page] = key
 
-    def forget(self, page: PageHash) -> None:
+    def forget(self, page: BlockHash) -> None:
         key = self._by_page.pop(page, None)
         if key is not None:
             self.counts.pop(key, None)
@@ -142,7 +143,7 @@ class NodeStore:
         self.arena: Arena | None = None
         self.index: PageIndex | None = None
         self.layout = ""
-        self.log: ChangeLog[PageHash] = ChangeLog(self._hashes)
+        self.log: ChangeLog[BlockHash] = ChangeLog(self._hashes)
         self.hot = HotPrefixes()
         self._leases: dict[str, list[PageRef]] = {}
         self.stats: Counter[str] = Counter(dict.fromkeys(STATS, 0))
@@ -172,7 +173,7 @@ class NodeStore:
     def lookup(
         self,
         lease: str,
-        hashes: Sequence[PageHash],
+        hashes: Sequence[BlockHash],
         salt: str = "",
         tokens: Sequence[int] = (),
         block_size: int = 0,
@@ -209,7 +210,7 @@ class NodeStore:
         self.stats["miss_pages"] += len(hashes) - end
         return refs
 
-    def held(self, hashes: Sequence[PageHash]) -> int:
+    def held(self, hashes: Sequence[BlockHash]) -> int:
         """How many pages of the longest prefix of ``hashes`` are stored."""
         return len(self.index.lookup(hashes)) if self.index is not None else 0
 
@@ -218,7 +219,7 @@ class NodeStore:
         if refs:
             self._index().unpin(refs)
 
-    def reserve(self, hashes: Sequence[PageHash]) -> list[int | None]:
+    def reserve(self, hashes: Sequence[BlockHash]) -> list[int | None]:
         """A slot to write each page into; None for one already stored or being
         written, or when every page is pinned."""
         index = self._index()
@@ -237,19 +238,19 @@ class NodeStore:
         for slot in slots:
             index.abandon(slot)
 
-    def drop(self, hashes: Iterable[PageHash]) -> int:
+    def drop(self, hashes: Iterable[BlockHash]) -> int:
         """Forgets pages (a failed checksum): they are recomputed, never served."""
         index = self._index()
         n = sum(index.drop(h) for h in hashes)
         self.stats["dropped_pages"] += n
         return n
 
-    def changes(self, since: int) -> Changes[PageHash]:
+    def changes(self, since: int) -> Changes[BlockHash]:
         return self.log.since(since)
 
     # -- other nodes -------------------------------------------------------------
 
-    def export(self, hashes: Sequence[PageHash]) -> tuple[list[PageHash], Bytes]:
+    def export(self, hashes: Sequence[BlockHash]) -> tuple[list[BlockHash], Bytes]:
         """Copies of the stored, intact pages of the longest prefix of ``hashes``
         (one row each); a page that fails its checksum is dropped and ends it."""
         if self.arena is None:  # no engine opened this store yet: nothing stored
@@ -257,7 +258,7 @@ class NodeStore:
         arena, index = self._arena(), self._index()
         refs = index.lookup(hashes)
         out = np.empty((len(refs), arena.page_bytes), dtype=np.uint8)
-        sent: list[PageHash] = []
+        sent: list[BlockHash] = []
         index.pin(refs)
         try:
             for row, ref in enumerate(refs):
@@ -272,7 +273,7 @@ class NodeStore:
         self.stats["exported_pages"] += len(sent)
         return sent, out[: len(sent)]
 
-    def import_pages(self, hashes: Sequence[PageHash], pages: Bytes) -> int:
+    def import_pages(self, hashes: Sequence[BlockHash], pages: Bytes) -> int:
         """Stores pages fetched from another node; returns how many were new."""
         arena = self._arena()
         slots = self.reserve(hashes)
@@ -303,10 +304,10 @@ class NodeStore:
 
     # -- internals ---------------------------------------------------------------
 
-    def _hashes(self) -> list[PageHash]:
+    def _hashes(self) -> list[BlockHash]:
         return self.index.hashes() if self.index else []
 
-    def _removed(self, h: PageHash) -> None:
+    def _removed(self, h: BlockHash) -> None:
         self.log.record(False, h)
         self.hot.forget(h)
 

@@ -13,15 +13,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NewType
 
-PageHash = NewType("PageHash", bytes)  # chained hash of every token block up to it
+from kvstore.block_hash import BlockHash
 
 
 @dataclass(frozen=True, slots=True)
 class PageRef:
     index: int  # slot in the arena
-    page_hash: PageHash
+    page_hash: BlockHash
     checksum: int
 
 
@@ -32,15 +31,15 @@ class PageIndex:
     def __init__(
         self,
         num_pages: int,
-        on_remove: Callable[[PageHash], None] = lambda h: None,
+        on_remove: Callable[[BlockHash], None] = lambda h: None,
     ) -> None:
         if num_pages <= 0:
             raise ValueError("num_pages must be > 0")
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out 0 first
-        self._pending: dict[int, PageHash] = {}
-        self._by_hash: dict[PageHash, PageRef] = {}
-        self._lru: OrderedDict[PageHash, None] = OrderedDict()
+        self._pending: dict[int, BlockHash] = {}
+        self._by_hash: dict[BlockHash, PageRef] = {}
+        self._lru: OrderedDict[BlockHash, None] = OrderedDict()
         self._pins: dict[int, int] = {}
         self._orphans: set[int] = set()  # dropped while pinned: freed at unpin
         self._on_remove = on_remove  # told of every committed page that goes
@@ -52,7 +51,7 @@ class PageIndex:
     def __contains__(self, h: object) -> bool:
         return h in self._by_hash
 
-    def lookup(self, hashes: Sequence[PageHash]) -> list[PageRef]:
+    def lookup(self, hashes: Sequence[BlockHash]) -> list[PageRef]:
         """Committed pages of the longest prefix of ``hashes``; marks them used."""
         out: list[PageRef] = []
         for h in hashes:
@@ -84,7 +83,7 @@ class PageIndex:
             else:
                 self._pins[r.index] = n - 1
 
-    def allocate(self, h: PageHash) -> int | None:
+    def allocate(self, h: BlockHash) -> int | None:
         """A slot to write ``h`` into, evicting the least recently used unpinned
         page if none is free; None when ``h`` is already stored or being written,
         or every page is pinned."""
@@ -108,7 +107,7 @@ class PageIndex:
         del self._pending[index]
         self._free.append(index)
 
-    def drop(self, h: PageHash) -> bool:
+    def drop(self, h: BlockHash) -> bool:
         """Forgets a page (failed checksum); its slot is reused once unpinned."""
         ref = self._by_hash.pop(h, None)
         if ref is None:
@@ -136,6 +135,6 @@ class PageIndex:
     def is_pinned(self, index: int) -> bool:
         return index in self._pins
 
-    def hashes(self) -> list[PageHash]:
+    def hashes(self) -> list[BlockHash]:
         """Committed page hashes, least recently used first."""
         return list(self._lru)

@@ -26,8 +26,8 @@ from typing import Any
 
 import msgspec
 
+from kvstore.block_hash import BlockHash
 from kvstore.node_store import MissHook, NodeStore
-from kvstore.page_store import PageHash
 
 logger = logging.getLogger("moe_cluster.kvstore")
 
@@ -108,7 +108,7 @@ class StoreServer:
             return [info.name, info.num_pages, info.page_bytes]
         if method == "lookup":  # -> [refs, pending, arena]
             lease, hashes, salt, tokens, block_size, *rest = args
-            hashes = [PageHash(h) for h in hashes]
+            hashes = [BlockHash(h) for h in hashes]
             skip = int(rest[0]) if rest else 0  # pages the engine has itself
             refs = s.lookup(
                 lease, hashes, salt, tokens, block_size, self._on_miss, skip
@@ -125,7 +125,7 @@ class StoreServer:
                 conn.leases.discard(lease)
             return None
         if method == "reserve":
-            slots = s.reserve([PageHash(h) for h in args[0]])
+            slots = s.reserve([BlockHash(h) for h in args[0]])
             conn.reserved.update(x for x in slots if x is not None)
             return [slots, self._arena_name()]
         if method == "commit":
@@ -138,7 +138,7 @@ class StoreServer:
             conn.reserved.difference_update(args[0])
             return None
         if method == "drop":
-            return s.drop([PageHash(h) for h in args[0]])
+            return s.drop([BlockHash(h) for h in args[0]])
         if method == "summary":
             return s.summary()
         raise StoreError(f"unknown method {method!r}")

@@ -14,7 +14,6 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +21,8 @@ import ray
 from ray.util import metrics
 
 from cluster.config import RouterConfig
+from cluster.qos import QoS
 from router.core import RouterCore
-from router.qos import QoS
 from router.service import RouterService
 from router.types import Release, ReplicaReport, RouteDecision, Shed, Ticket, Transition
 
@@ -31,18 +30,6 @@ logger = logging.getLogger("moe_cluster.router")
 NAMESPACE = "moe-cluster"
 _BREAKER_VALUE = {"closed": 0, "half-open": 1, "open": 2, "gone": 3}
 _GROUP_BREAKER_VALUE = {"closed": 0, "half-open": 1, "open": 2, "open-normal": 3}
-
-
-@dataclass(frozen=True, slots=True)
-class Refused:
-    """``admit``'s answer when the router sheds (plain data: crosses Ray cleanly)."""
-
-    reason: str
-    message: str
-    retry_after_s: float
-
-    def error(self) -> Shed:
-        return Shed(self.reason, self.message, self.retry_after_s)
 
 
 def actor_name(app_name: str) -> str:
@@ -117,13 +104,15 @@ class DeepSeekRouter:
     def _on_decision(self, seconds: float) -> None:
         self._decision.observe(seconds)
 
-    async def admit(self, ticket: Ticket) -> RouteDecision | Refused:
+    async def admit(self, ticket: Ticket) -> RouteDecision | Shed:
+        """The decision, or the ``Shed`` refusing it: returned, not raised, so it
+        reaches the ingress as itself (Ray wraps what an actor raises)."""
         self._service.start()
         try:
             decision = await self._service.admit(ticket)
         except Shed as e:
             self._shed.inc(tags={"qos": ticket.qos.name.lower(), "reason": e.reason})
-            return Refused(e.reason, str(e), e.retry_after_s)
+            return e
         self._admitted.inc(tags={"qos": ticket.qos.name.lower()})
         return decision
 

@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from router.qos import QoS
+from cluster.qos import QoS
 from router.types import Ticket
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from router.qos import QoS
+from cluster.qos import QoS
 from router.types import Transition
 
 Clock = Callable[[], float]

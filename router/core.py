@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cluster.config import RouterConfig
+from cluster.qos import QoS
 from router.admission import ClassQueues, Ewma, RateMeter, Waiting, percentiles
 from router.breakers import OPEN, ExpertBreakers, GroupExpertBreaker, ReplicaBreaker
 from router.policies import (
@@ -25,7 +26,6 @@ from router.policies import (
     WeightedRoundRobin,
 )
 from router.prefix import PrefixDirectory
-from router.qos import QoS
 from router.replicas import Lease, Replica
 from router.types import (
     Counters,

@@ -1,55 +1,15 @@
-"""Prefix block hashes as vLLM computes them, and which replica caches which blocks.
+"""Which replica caches which prefix blocks, kept from the replicas' KV events.
 
-``block_hashes`` reproduces vLLM's default (``prefix_caching_hash_algo="sha256"``)
-chained hash, so the directory can be fed by the engines' own KV events:
-
-    h0 = sha256(pickle((NONE_HASH, tokens[0:B], None)))
-    hi = sha256(pickle((h(i-1), tokens[iB:(i+1)B], None)))
-
-``NONE_HASH`` is ``sha256(pickle(seed))`` with ``seed = $PYTHONHASHSEED`` when set and
-``"vllm-none-hash"`` otherwise; engines and ingress must agree on it. A tenant's
-requests carry its name as vLLM's ``cache_salt``, which enters the first block's
-hash (``extra = (("cache_salt", tenant),)``) and so every block after it: one
-tenant can never hit, or time, another tenant's cached prompt.
+The blocks are named by vLLM's chained block hash (``kvstore.block_hash``), which
+the ingress computes per request and the engines' KV events carry.
 """
 
 from __future__ import annotations
 
-import hashlib
-import pickle
 from collections.abc import Iterable, Sequence
 
-from router.types import BlockHash, KVEvent, ReplicaId
-
-DEFAULT_SEED = "vllm-none-hash"
-
-
-def _sha256(obj: object) -> bytes:
-    return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
-
-
-def none_hash(seed: str | None = None) -> BlockHash:
-    return BlockHash(_sha256(DEFAULT_SEED if seed is None else seed))
-
-
-def block_hashes(
-    token_ids: Sequence[int],
-    block_size: int,
-    seed: str | None = None,
-    salt: str | None = None,
-) -> tuple[BlockHash, ...]:
-    """Chained hashes of the full blocks of ``token_ids`` (a partial tail is not
-    hashed)."""
-    if block_size <= 0:
-        raise ValueError("block_size must be > 0")
-    parent = none_hash(seed)
-    out: list[BlockHash] = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        block = tuple(int(t) for t in token_ids[start : start + block_size])
-        extra = (("cache_salt", salt),) if salt and start == 0 else None
-        parent = BlockHash(_sha256((parent, block, extra)))
-        out.append(parent)
-    return tuple(out)
+from kvstore.block_hash import BlockHash
+from router.types import KVEvent, ReplicaId
 
 
 class PrefixDirectory:

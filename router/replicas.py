@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Container
 from dataclasses import dataclass, field
 
+from cluster.qos import QoS
 from router.breakers import ReplicaBreaker
-from router.qos import QoS
 from router.types import ExpertLoad, ReplicaId, ReplicaReport
 
 

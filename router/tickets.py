@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from cluster.qos import QoS
+from kvstore.block_hash import block_hashes
 from router.experts import ExpertPredictor
-from router.prefix import block_hashes
-from router.qos import QoS
 from router.types import Ticket
 
 
@@ -22,12 +22,10 @@ class TicketMaker:
         block_size: int,
         hash_blocks: bool,
         predictor: ExpertPredictor | None,
-        hash_seed: str | None = None,
     ) -> None:
         self._block_size = block_size
         self._hash_blocks = hash_blocks
         self._predictor = predictor
-        self._seed = hash_seed
 
     def make(
         self,
@@ -39,7 +37,7 @@ class TicketMaker:
         tenant: str = "",
     ) -> Ticket:
         hashes = (
-            block_hashes(prompt, self._block_size, self._seed, salt=tenant or None)
+            block_hashes(prompt, self._block_size, salt=tenant or None)
             if self._hash_blocks
             else ()
         )

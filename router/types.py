@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import NewType
 
-from router.qos import QoS
+from cluster.qos import QoS
+from kvstore.block_hash import BlockHash
 
 ReplicaId = NewType("ReplicaId", str)
-BlockHash = NewType("BlockHash", bytes)  # vLLM's chained prefix hash of one full block
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,16 +9,16 @@ from typing import Any
 import pytest
 
 from cluster.config import RouterConfig
-from deployments.errors import EngineUnavailable, Overloaded
+from cluster.qos import QoS
+from deployments.errors import OVERLOADED, EngineUnavailable, status_of
 from deployments.frontend import Frontend
 from deployments.protocol import EngineRequest, Finish, Sampling, Started, TokenDelta
 from deployments.validation import Limits
 from router.core import RouterCore
 from router.experts import ExpertPredictor
-from router.qos import QoS
 from router.service import RouterService
 from router.tickets import TicketMaker
-from router.types import ReplicaId, ReplicaReport
+from router.types import ReplicaId, ReplicaReport, Shed
 from tests.deployments.test_frontend import FACTS, ScriptedStream
 
 
@@ -95,14 +95,17 @@ async def test_requests_run_where_the_router_placed_them_and_release() -> None:
     assert snap["ttft_estimate_s"] < 0.05  # measured, no longer the 50 ms prior
 
 
-async def test_shed_becomes_overloaded_with_the_routers_retry_hint() -> None:
+async def test_a_shed_reaches_the_client_as_itself_with_the_routers_retry_hint() -> (
+    None
+):
     fe, _, _ = setup(["hang"], ["hang"], slots=1, queue=0)
     first = asyncio.create_task(drain(fe, req("1")))
     second = asyncio.create_task(drain(fe, req("2")))
     await asyncio.sleep(0.01)
-    with pytest.raises(Overloaded, match="queue is full") as e:
+    with pytest.raises(Shed, match="queue is full") as e:
         await drain(fe, req("3"))
-    assert e.value.retry_after_s == 1.0
+    assert e.value.retry_after_s == 1.0 and e.value.reason == "queue-full"
+    assert status_of(e.value) == OVERLOADED  # RESOURCE_EXHAUSTED / 429
     fe.abort("1")
     fe.abort("2")
     await asyncio.gather(first, second)

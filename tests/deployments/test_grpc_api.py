@@ -10,11 +10,11 @@ from typing import Any
 import grpc
 import pytest
 
+from cluster.qos import QoS
 from deployments import grpc_api
 from deployments.grpc_api import MalformedRequest, add_inference_servicer
 from deployments.proto import inference_pb2 as pb
 from deployments.validation import InvalidRequest, Limits
-from router.qos import QoS
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,8 @@ import pytest
 
 from deployments.kv_events import STORE, KVEventListener, convert, remove_endpoint
 from deployments.reporter import Reporter
-from router.prefix import PrefixDirectory, block_hashes
+from kvstore.block_hash import block_hashes
+from router.prefix import PrefixDirectory
 from router.types import KVEvent, ReplicaId, ReplicaReport
 
 H = block_hashes(list(range(64)), 16)  # 4 chained block hashes

@@ -22,7 +22,7 @@ import ray
 
 from deployments.protocol import EngineRequest, Finish, Sampling, TokenDelta
 from kvstore import actor as kv_actor
-from router.prefix import block_hashes
+from kvstore.block_hash import block_hashes
 from tests.integration.conftest import (
     PLATFORM,
     TINY_LATENT,
@@ -117,12 +117,15 @@ def test_a_prefix_computed_on_one_replica_is_loaded_on_the_other(
 ) -> None:
     a, b = replicas
     ttft_cold, ttft_loaded = [], []
+    # Long enough that computing it costs more than loading it: 26 blocks of 16,
+    # 6 of 128. The last block is computed (one prompt token always is).
+    blocks = max(6, 400 // BLOCK + 1)
     for _ in range(3):
-        prompt = unique_prompt(6 * BLOCK)  # 6 full blocks; 5 loadable (one token
-        cold = generate(engine_handle, a, prompt)  # of the prompt is computed)
+        prompt = unique_prompt(blocks * BLOCK)
+        cold = generate(engine_handle, a, prompt)
         assert cold.finish.cached_tokens == 0
         loaded = generate(engine_handle, b, prompt)
-        assert loaded.finish.cached_tokens == 5 * BLOCK
+        assert loaded.finish.cached_tokens == (blocks - 1) * BLOCK
         assert loaded.tokens == cold.tokens
         ttft_cold.append(cold.ttft_s)
         ttft_loaded.append(loaded.ttft_s)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from kvstore.block_hash import BlockHash
 from kvstore.directory import Directory
 from kvstore.node_store import Changes
-from kvstore.page_store import PageHash
 
-H = [PageHash(bytes([i]) * 32) for i in range(8)]
+H = [BlockHash(bytes([i]) * 32) for i in range(8)]
 
 
 def test_publish_incremental_and_full() -> None:

@@ -8,10 +8,10 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from kvstore.block_hash import BlockHash
 from kvstore.node_store import ChangeLog, Changes, LayoutMismatch, NodeStore
-from kvstore.page_store import PageHash
 
-H = [PageHash(bytes([i]) * 32) for i in range(16)]
+H = [BlockHash(bytes([i]) * 32) for i in range(16)]
 PAGE = 64
 
 
@@ -23,7 +23,7 @@ def store() -> Iterator[NodeStore]:
     s.close()
 
 
-def put(store: NodeStore, hashes: list[PageHash], fill: int = 1) -> None:
+def put(store: NodeStore, hashes: list[BlockHash], fill: int = 1) -> None:
     assert store.arena is not None
     slots = store.reserve(hashes)
     store.commit(

@@ -1,11 +1,12 @@
 import pytest
 
-from kvstore.page_store import PageHash, PageIndex, PageRef
+from kvstore.block_hash import BlockHash
+from kvstore.page_store import PageIndex, PageRef
 
-H = [PageHash(bytes([i]) * 32) for i in range(8)]
+H = [BlockHash(bytes([i]) * 32) for i in range(8)]
 
 
-def _store(idx: PageIndex, h: PageHash, checksum: int = 7) -> PageRef:
+def _store(idx: PageIndex, h: BlockHash, checksum: int = 7) -> PageRef:
     slot = idx.allocate(h)
     assert slot is not None
     return idx.commit(slot, checksum)

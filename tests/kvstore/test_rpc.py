@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from kvstore.arena import Arena
+from kvstore.block_hash import BlockHash
 from kvstore.node_store import NodeStore
-from kvstore.page_store import PageHash
 from kvstore.rpc import StoreClient, StoreError, StoreServer
 
-H = [PageHash(bytes([i]) * 32) for i in range(8)]
+H = [BlockHash(bytes([i]) * 32) for i in range(8)]
 PAGE = 128
 
 
@@ -51,7 +51,7 @@ class Running:
 def served(tmp_path: Path) -> Iterator[tuple[NodeStore, str, list[int]]]:
     misses: list[int] = []
 
-    def on_miss(hashes: list[PageHash], first: int) -> bool:
+    def on_miss(hashes: list[BlockHash], first: int) -> bool:
         misses.append(first)
         return hashes[first] == H[1]  # pretend another node holds H1
 

@@ -25,19 +25,20 @@ import numpy as np
 import ray
 from ray.cluster_utils import Cluster
 
-from cluster.config import ClusterConfig, KVStoreConfig
+from cluster.config import KVStoreConfig
 from kvstore import actor as kv_actor
 from kvstore.arena import Arena
+from kvstore.block_hash import block_hashes
 from kvstore.rpc import StoreClient
-from router.prefix import block_hashes
+
+# The engines run what the test session's do (auto, or MOE_CLUSTER_TEST_BACKEND).
+from tests.integration.conftest import PLATFORM
 
 APP = "two-nodes"
 ENGINES = "two-nodes-engines"
 PAGE = 147456  # one tiny-model page
 PAGES = 8
 STORE = KVStoreConfig(capacity_bytes=64 * PAGE, sync_interval_s=0.1)
-# The engines': what engine.attention_backend auto gives on this CPU.
-PLATFORM = ClusterConfig().engine_platform()
 ENGINE_BLOCKS = 6  # full blocks of the prompt node 1 computes and node 2 loads
 ENGINE_STORE = KVStoreConfig(capacity_bytes=64 << 20, sync_interval_s=0.1)
 

@@ -79,8 +79,8 @@ def _router_latency() -> dict[str, Any]:
     router's own compute per decision over the run."""
     import ray
 
+    from cluster.qos import QoS
     from router import actor as router_actor
-    from router.qos import QoS
     from router.types import Outcome, Release, Ticket
 
     ray.init(address="auto", namespace="qos-flood", logging_level="ERROR")

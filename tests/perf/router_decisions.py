@@ -17,9 +17,9 @@ import random
 import time
 
 from cluster.config import RouterConfig
+from cluster.qos import QoS
+from kvstore.block_hash import block_hashes
 from router.core import RouterCore
-from router.prefix import block_hashes
-from router.qos import QoS
 from router.types import (
     KVEvent,
     Outcome,

@@ -1,7 +1,7 @@
 import pytest
 
+from cluster.qos import QoS
 from router.admission import ClassQueues, RateMeter, Waiting
-from router.qos import QoS
 from router.types import Ticket
 
 W = {QoS.REALTIME: 4.0, QoS.NORMAL: 2.0, QoS.BACKGROUND: 1.0}

@@ -1,7 +1,7 @@
 import pytest
 
+from cluster.qos import QoS
 from router.breakers import ExpertBreakers, ReplicaBreaker
-from router.qos import QoS
 from router.types import Transition
 from tests.router.clock import Clock
 

@@ -3,9 +3,9 @@ from typing import Any
 import pytest
 
 from cluster.config import RouterConfig
+from cluster.qos import QoS
 from router.admission import Waiting
 from router.core import RouterCore
-from router.qos import QoS
 from router.types import (
     Outcome,
     Release,
@@ -260,7 +260,7 @@ def test_served_ttft_per_class_counts_the_queue_wait() -> None:
 
 
 def test_the_snapshot_counts_decisions_and_the_prefix_hit_rate() -> None:
-    from router.prefix import block_hashes
+    from kvstore.block_hash import block_hashes
     from router.types import KVEvent
 
     core = _core(Clock(), policy="prefix")

@@ -6,10 +6,10 @@ from typing import Any
 import pytest
 
 from cluster.config import RouterConfig
+from cluster.qos import QoS
 from router.admission import Waiting
 from router.breakers import GroupExpertBreaker
 from router.core import RouterCore, expert_pressure
-from router.qos import QoS
 from router.types import (
     ExpertLoad,
     Outcome,

@@ -1,9 +1,10 @@
 from collections import Counter
 
+from cluster.qos import QoS
+from kvstore.block_hash import block_hashes
 from router.breakers import ReplicaBreaker
 from router.policies import ExpertAware, LeastLoaded, PrefixAware, WeightedRoundRobin
-from router.prefix import PrefixDirectory, block_hashes
-from router.qos import QoS
+from router.prefix import PrefixDirectory
 from router.replicas import Lease, Replica
 from router.types import KVEvent, ReplicaId, Ticket
 from tests.router.clock import Clock

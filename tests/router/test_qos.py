@@ -1,6 +1,6 @@
 import pytest
 
-from router.qos import QoS
+from cluster.qos import QoS
 
 
 def test_order_matches_vllm_priority() -> None:

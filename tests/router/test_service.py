@@ -3,8 +3,8 @@ import asyncio
 import pytest
 
 from cluster.config import RouterConfig
+from cluster.qos import QoS
 from router.core import RouterCore
-from router.qos import QoS
 from router.service import RouterService
 from router.types import (
     Outcome,

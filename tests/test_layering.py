@@ -1,0 +1,53 @@
+"""Dependencies point one way: cluster <- kvstore <- router <- deployments, and
+only the modules that run an engine or a connector import torch or vLLM."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = ["cluster", "kvstore", "router", "deployments"]  # each may import those before
+# The one module vLLM loads into its own processes (the KV connector). Engine-side
+# code elsewhere imports vLLM inside the functions that run with the engine.
+ENGINE_SIDE = {"kvstore/connector.py"}
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package", LAYERS)
+def test_no_package_imports_one_above_it(package: str) -> None:
+    above = set(LAYERS[LAYERS.index(package) + 1 :])
+    for path in sorted((ROOT / package).rglob("*.py")):
+        bad = _imports(path) & above
+        assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("package", LAYERS)
+def test_torch_and_vllm_only_where_an_engine_runs(package: str) -> None:
+    for path in sorted((ROOT / package).rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        if rel in ENGINE_SIDE:
+            continue
+        # A function may import them where it runs with the engine; the module
+        # itself loads without them (the ingress and the router never pull them).
+        tree = ast.parse(path.read_text())
+        top = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
+        names = set()
+        for node in top:
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif node.module:
+                names.add(node.module.split(".")[0])
+        assert not names & {"torch", "vllm"}, f"{rel} imports torch or vllm"
