@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from cluster.config import RouterConfig
@@ -61,6 +62,16 @@ RELEASED_MEMORY_S = 10.0
 MIN_RETRY_S, MAX_RETRY_S = 0.5, 30.0
 
 
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """What ``RouterCore.submit`` did with a ticket: its own ``outcome`` (placed,
+    queued, or refused), and the waiting requests it dispatched on the way, whose
+    callers are told even when this one is refused."""
+
+    outcome: RouteDecision | Waiting | Shed
+    dispatched: tuple[tuple[Waiting, RouteDecision], ...] = ()
+
+
 class RouterCore:
     def __init__(
         self, config: RouterConfig, *, num_experts: int = 0, clock: Clock
@@ -83,7 +94,6 @@ class RouterCore:
         self._ttft = Ewma(0.2, config.default_ttft_ms / 1000)
         self._freed = RateMeter()
         self._tokens = itertools.count(1)
-        self._pending_decisions: list[tuple[Waiting, RouteDecision]] = []
         self.group_breakers: dict[str, GroupExpertBreaker] = {}
         # Each group's measured expert load: its ranks' last reports, summed once
         # per report for the breaker, the metrics and the snapshot.
@@ -114,48 +124,59 @@ class RouterCore:
 
     # -- admission -----------------------------------------------------------
 
-    def submit(self, ticket: Ticket) -> Waiting | RouteDecision:
-        """Dispatches ``ticket`` now, queues it, or raises ``Shed``."""
+    def submit(self, ticket: Ticket) -> Submitted:
+        """Dispatches ``ticket`` now, queues it, or refuses it (a ``Shed``
+        outcome, returned); the waiting requests it dispatched on the way, in
+        pump order, come with it."""
         now = self._clock()
         qos = ticket.qos
         if ticket.deadline_s is not None and ticket.deadline_s < self._ttft.value:
-            raise self._shed(
-                qos,
-                "deadline",
-                f"deadline_ms={ticket.deadline_s * 1000:.0f} is shorter than the "
-                f"expected time to first token ({self._ttft.value * 1000:.0f} ms)",
+            return Submitted(
+                self._shed(
+                    qos,
+                    "deadline",
+                    f"deadline_ms={ticket.deadline_s * 1000:.0f} is shorter than the "
+                    f"expected time to first token ({self._ttft.value * 1000:.0f} ms)",
+                )
             )
         deadline_at = None if ticket.deadline_s is None else now + ticket.deadline_s
         waiting = Waiting(ticket, now, deadline_at, next(self._tokens))
         estimate = self.expected_wait(qos)
         self.queues.push(waiting)
+        mine: RouteDecision | None = None
+        others: list[tuple[Waiting, RouteDecision]] = []
         for w, decision in self.pump():
             if w is waiting:
-                return decision
-            self._pending_decisions.append((w, decision))
+                mine = decision
+            else:
+                others.append((w, decision))
+        dispatched = tuple(others)
+        if mine is not None:
+            return Submitted(mine, dispatched)
         if self.queues.over_limit(qos):  # it must wait, and its queue has no room
             self.queues.drop(waiting)
-            raise self._shed(
-                qos,
-                "queue-full",
-                f"the {qos.name.lower()} queue is full "
-                f"({self.queues.depth(qos)} waiting); retry later",
+            return Submitted(
+                self._shed(
+                    qos,
+                    "queue-full",
+                    f"the {qos.name.lower()} queue is full "
+                    f"({self.queues.depth(qos)} waiting); retry later",
+                ),
+                dispatched,
             )
         if deadline_at is not None and now + estimate + self._ttft.value > deadline_at:
             self.queues.drop(waiting)
-            raise self._shed(
-                qos,
-                "deadline",
-                f"expected wait {estimate * 1000:.0f} ms plus time to first token "
-                f"exceeds deadline_ms={ticket.deadline_s * 1000:.0f}",  # type: ignore[operator]
-                max(estimate, MIN_RETRY_S),
+            return Submitted(
+                self._shed(
+                    qos,
+                    "deadline",
+                    f"expected wait {estimate * 1000:.0f} ms plus time to first "
+                    f"token exceeds deadline_ms={ticket.deadline_s * 1000:.0f}",  # type: ignore[operator]
+                    max(estimate, MIN_RETRY_S),
+                ),
+                dispatched,
             )
-        return waiting
-
-    def take_dispatched(self) -> list[tuple[Waiting, RouteDecision]]:
-        """Dispatches made by ``submit`` on behalf of other waiting requests."""
-        out, self._pending_decisions = self._pending_decisions, []
-        return out
+        return Submitted(waiting, dispatched)
 
     def expected_wait(self, qos: QoS) -> float:
         """Seconds a new ``qos`` request would wait for dispatch (0 if unknown)."""

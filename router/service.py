@@ -63,12 +63,13 @@ class RouterService:
     async def admit(self, ticket: Ticket) -> RouteDecision:
         """Waits for ``ticket``'s dispatch; raises ``Shed`` when it is refused."""
         t0 = time.perf_counter()
-        try:
-            result = self.core.submit(ticket)
-        finally:
-            # Others it dispatched on the way are delivered even if it was shed.
-            self._deliver(self.core.take_dispatched())
-            self._drain()
+        submitted = self.core.submit(ticket)
+        # Others it dispatched on the way are delivered even if it was shed.
+        self._deliver(list(submitted.dispatched))
+        self._drain()
+        result = submitted.outcome
+        if isinstance(result, Shed):
+            raise result
         if isinstance(result, RouteDecision):
             self._decided(time.perf_counter() - t0)
             return result

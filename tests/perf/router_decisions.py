@@ -68,11 +68,11 @@ def run(policy: str, replicas: int, n: int) -> tuple[float, float]:
         t0 = time.perf_counter()
         core.release(Release(done, Outcome.OK, None, 0.05))
         t = ticket(i)
-        now = core.submit(t)
-        dispatched = core.pump() + core.take_dispatched()
+        submitted = core.submit(t)
+        dispatched = core.pump() + list(submitted.dispatched)
         times.append(time.perf_counter() - t0)
         running += [w.ticket.request_id for w, _ in dispatched]
-        if isinstance(now, RouteDecision):
+        if isinstance(submitted.outcome, RouteDecision):
             running.append(t.request_id)
         i += 1
     times.sort()

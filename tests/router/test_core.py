@@ -17,6 +17,7 @@ from router.types import (
     Ticket,
 )
 from tests.router.clock import Clock
+from tests.router.support import submit
 
 RT, NORMAL, BG = QoS.REALTIME, QoS.NORMAL, QoS.BACKGROUND
 
@@ -46,17 +47,17 @@ def _ok(core: RouterCore, rid: str, replica: str = "", ttft: float = 0.01) -> No
 
 def test_dispatches_least_loaded_until_slots_are_full_then_queues() -> None:
     core = _core(Clock())
-    d1 = core.submit(_t("1", prompt=100))
-    d2 = core.submit(_t("2"))
+    d1 = submit(core, _t("1", prompt=100))
+    d2 = submit(core, _t("2"))
     assert isinstance(d1, RouteDecision) and isinstance(d2, RouteDecision)
     assert (d1.replica_id, d2.replica_id) == ("a", "b")
-    assert core.submit(_t("3")).replica_id == "b"  # type: ignore[union-attr]
-    assert core.submit(_t("4")).replica_id == "a"  # type: ignore[union-attr]
-    w = core.submit(_t("5"))  # 2 running on each: full
+    assert submit(core, _t("3")).replica_id == "b"  # type: ignore[union-attr]
+    assert submit(core, _t("4")).replica_id == "a"  # type: ignore[union-attr]
+    w = submit(core, _t("5"))  # 2 running on each: full
     assert isinstance(w, Waiting)
     assert core.snapshot()["queued"]["normal"] == 1
     # realtime uses the reserved slot instead of waiting
-    rt = core.submit(_t("r", RT))
+    rt = submit(core, _t("r", RT))
     assert isinstance(rt, RouteDecision) and rt.replica_id == "b"
     _ok(core, "2")
     assert core.pump() == []  # b runs 3 with realtime's reserved slot: still full
@@ -73,9 +74,9 @@ def test_freed_slots_go_in_weighted_fair_order() -> None:
         realtime_reserved_slots=0,
     )
     for i in range(4):
-        core.submit(_t(f"fill{i}"))
-    waiting = [core.submit(_t(f"bg{i}", BG)) for i in range(3)]
-    waiting += [core.submit(_t(f"rt{i}", RT)) for i in range(3)]
+        submit(core, _t(f"fill{i}"))
+    waiting = [submit(core, _t(f"bg{i}", BG)) for i in range(3)]
+    waiting += [submit(core, _t(f"rt{i}", RT)) for i in range(3)]
     assert all(isinstance(w, Waiting) for w in waiting)
     order = []
     for i in range(4):
@@ -87,7 +88,7 @@ def test_freed_slots_go_in_weighted_fair_order() -> None:
 def test_impossible_deadline_is_shed_at_once() -> None:
     core = _core(Clock(), default_ttft_ms=50)
     with pytest.raises(Shed) as e:
-        core.submit(_t("1", RT, deadline_s=0.001))
+        submit(core, _t("1", RT, deadline_s=0.001))
     assert e.value.reason == "deadline" and e.value.retry_after_s == 1.0
     assert "shorter than the expected time to first token (50 ms)" in str(e.value)
     assert core.snapshot()["shed"] == {"realtime/deadline": 1}
@@ -96,14 +97,14 @@ def test_impossible_deadline_is_shed_at_once() -> None:
 def test_full_class_queue_sheds_with_retry_hint() -> None:
     core = _core(Clock(), realtime_reserved_slots=0)
     for i in range(4):
-        core.submit(_t(f"fill{i}"))
+        submit(core, _t(f"fill{i}"))
     for i in range(3):
-        core.submit(_t(f"bg{i}", BG))
+        submit(core, _t(f"bg{i}", BG))
     with pytest.raises(Shed, match="background queue is full") as e:
-        core.submit(_t("bg3", BG))
+        submit(core, _t("bg3", BG))
     assert e.value.reason == "queue-full"
     assert isinstance(
-        core.submit(_t("n", NORMAL)), Waiting
+        submit(core, _t("n", NORMAL)), Waiting
     )  # other classes still queue
 
 
@@ -115,19 +116,19 @@ def test_deadline_shed_from_measured_dispatch_rate() -> None:
         max_queued={"realtime": 50, "normal": 50, "background": 50},
     )
     for i in range(4):
-        core.submit(_t(f"fill{i}"))
+        submit(core, _t(f"fill{i}"))
     for i in range(4):  # 4 slots freed in 2 s: 2 per second
         clock.advance(0.5)
         _ok(core, f"fill{i}", ttft=0.02)
-        core.submit(_t(f"again{i}"))
+        submit(core, _t(f"again{i}"))
         core.pump()
     for i in range(6):
-        core.submit(_t(f"q{i}"))
+        submit(core, _t(f"q{i}"))
     # 6 dispatches ahead of a new normal request at 2/s: 3 s, plus 20 ms TTFT
     assert core.expected_wait(NORMAL) == pytest.approx(3.0)
-    assert isinstance(core.submit(_t("ok", deadline_s=3.1)), Waiting)
+    assert isinstance(submit(core, _t("ok", deadline_s=3.1)), Waiting)
     with pytest.raises(Shed, match="expected wait 3500 ms") as e:
-        core.submit(_t("late", deadline_s=3.5))
+        submit(core, _t("late", deadline_s=3.5))
     assert e.value.retry_after_s == pytest.approx(3.5)
 
 
@@ -135,9 +136,9 @@ def test_tick_sheds_requests_whose_deadline_passed_in_queue() -> None:
     clock = Clock()
     core = _core(clock, realtime_reserved_slots=0, max_wait_s=30)
     for i in range(4):
-        core.submit(_t(f"fill{i}"))
-    w = core.submit(_t("d", deadline_s=1.0))
-    forever = core.submit(_t("f"))
+        submit(core, _t(f"fill{i}"))
+    w = submit(core, _t("d", deadline_s=1.0))
+    forever = submit(core, _t("f"))
     clock.advance(0.96)  # 0.96 + 50 ms TTFT estimate > 1.0
     [(shed_w, shed)] = core.tick()
     assert shed_w is w and shed.reason == "deadline"
@@ -150,17 +151,17 @@ def test_failing_replica_is_opened_and_probed() -> None:
     clock = Clock()
     core = _core(clock, breaker_failures=2, breaker_open_s=5, max_running_per_replica=8)
     for i in range(2):
-        d = core.submit(_t(f"x{i}", prompt=1000))  # heavy: keeps choosing "b" next
+        d = submit(core, _t(f"x{i}", prompt=1000))  # heavy: keeps choosing "b" next
         core.release(Release(f"x{i}", Outcome.FAILED, ReplicaId("a")))
     assert core.snapshot()["replicas"]["a"]["breaker"] == "open"
     picks = set()
     for i in range(3):
-        d = core.submit(_t(f"y{i}"))
+        d = submit(core, _t(f"y{i}"))
         assert isinstance(d, RouteDecision)
         picks.add(d.replica_id)
     assert picks == {"b"}
     clock.advance(5)
-    probe = core.submit(_t("p", RT))
+    probe = submit(core, _t("p", RT))
     assert isinstance(probe, RouteDecision)
     assert (probe.replica_id, probe.reason) == ("a", "half-open-probe")
     _ok(core, "p", "a")
@@ -171,7 +172,7 @@ def test_failing_replica_is_opened_and_probed() -> None:
 
 def test_cancelled_requests_do_not_count_against_the_replica() -> None:
     core = _core(Clock(), breaker_failures=1)
-    core.submit(_t("x"))
+    submit(core, _t("x"))
     core.release(Release("x", Outcome.CANCELLED, ReplicaId("a")))
     assert core.snapshot()["replicas"]["a"]["breaker"] == "closed"
 
@@ -185,7 +186,7 @@ def test_restarted_router_rebuilds_leases_from_reports() -> None:
     core.report(ReplicaReport(ReplicaId("a"), busy, tokens_per_s=50))
     snap = core.snapshot()["replicas"]["a"]
     assert snap["running"] == 2 and snap["load_tokens"] == 14
-    assert core.submit(_t("new")).replica_id == "b"  # type: ignore[union-attr]
+    assert submit(core, _t("new")).replica_id == "b"  # type: ignore[union-attr]
     _ok(core, "s0")  # a stream finished: released...
     core.report(ReplicaReport(ReplicaId("a"), busy))  # ...and a stale report lists it
     assert core.snapshot()["replicas"]["a"]["running"] == 1
@@ -196,7 +197,7 @@ def test_restarted_router_rebuilds_leases_from_reports() -> None:
 def test_dispatched_lease_survives_reports_until_grace() -> None:
     clock = Clock()
     core = _core(clock)
-    core.submit(_t("x"))  # to a
+    submit(core, _t("x"))  # to a
     core.report(ReplicaReport(ReplicaId("a")))  # too early to be listed
     assert core.snapshot()["replicas"]["a"]["running"] == 1
     clock.advance(3.1)
@@ -223,17 +224,17 @@ def test_expert_breaker_defers_background_not_realtime() -> None:
         max_running_per_replica=8,
     )
     hot = (8, 0, 0, 0)
-    assert isinstance(core.submit(_t("1", NORMAL, expert_hist=hot)), RouteDecision)
-    assert isinstance(core.submit(_t("2", NORMAL, expert_hist=hot)), RouteDecision)
+    assert isinstance(submit(core, _t("1", NORMAL, expert_hist=hot)), RouteDecision)
+    assert isinstance(submit(core, _t("2", NORMAL, expert_hist=hot)), RouteDecision)
     assert core.snapshot()["hot_experts"] == [0]  # 16 > 10
-    bg = core.submit(_t("bg", BG, expert_hist=hot))
+    bg = submit(core, _t("bg", BG, expert_hist=hot))
     assert isinstance(bg, Waiting)  # deferred
-    cool = core.submit(_t("bg-cool", BG, expert_hist=(0, 4, 0, 0)))
+    cool = submit(core, _t("bg-cool", BG, expert_hist=(0, 4, 0, 0)))
     assert isinstance(cool, RouteDecision)  # other experts are fine
-    assert isinstance(core.submit(_t("n", NORMAL, expert_hist=hot)), RouteDecision)
+    assert isinstance(submit(core, _t("n", NORMAL, expert_hist=hot)), RouteDecision)
     # 24 > 20: normal now deferred too, realtime still runs
-    assert isinstance(core.submit(_t("n2", NORMAL, expert_hist=hot)), Waiting)
-    assert isinstance(core.submit(_t("r", RT, expert_hist=hot)), RouteDecision)
+    assert isinstance(submit(core, _t("n2", NORMAL, expert_hist=hot)), Waiting)
+    assert isinstance(submit(core, _t("r", RT, expert_hist=hot)), RouteDecision)
     for rid in ("1", "2", "n", "r"):
         _ok(core, rid)
     core.tick()
@@ -246,8 +247,8 @@ def test_served_ttft_per_class_counts_the_queue_wait() -> None:
     clock = Clock()
     core = _core(clock, realtime_reserved_slots=0)
     for i in range(4):
-        core.submit(_t(f"fill{i}"))
-    assert isinstance(core.submit(_t("rt", RT)), Waiting)
+        submit(core, _t(f"fill{i}"))
+    assert isinstance(submit(core, _t("rt", RT)), Waiting)
     clock.advance(0.5)
     _ok(core, "fill0")
     [(w, _)] = core.pump()
@@ -269,9 +270,27 @@ def test_the_snapshot_counts_decisions_and_the_prefix_hit_rate() -> None:
         ReplicaReport(ReplicaId("b"), kv_events=(KVEvent("stored", hashes[:3]),))
     )
     assert core.snapshot()["prefix_hit_rate"] is None  # nothing placed yet
-    d = core.submit(_t("1", block_hashes=hashes))
+    d = submit(core, _t("1", block_hashes=hashes))
     assert isinstance(d, RouteDecision) and (d.replica_id, d.cached_blocks) == ("b", 3)
-    core.submit(_t("2", block_hashes=block_hashes(list(range(100, 132)), 16)))
+    submit(core, _t("2", block_hashes=block_hashes(list(range(100, 132)), 16)))
     snap = core.snapshot()
     assert snap["routed"] == {"prefix": 1, "least-loaded": 1}
     assert snap["prefix_hit_rate"] == 3 / 6
+
+
+def test_a_submit_returns_every_waiting_request_it_dispatched() -> None:
+    """Others a submit dispatches come with its own outcome, also those placed
+    after it (they were once dropped: placed in the core, never told)."""
+    core = _core(Clock())
+    for i in range(4):
+        submit(core, _t(str(i)))  # 2 running on each replica: full
+    queued = submit(core, _t("q"))
+    assert isinstance(queued, Waiting)
+    _ok(core, "0")  # two slots free; nothing pumped yet
+    _ok(core, "3")
+    s = core.submit(_t("r", RT))  # realtime goes first, then the queued one
+    assert isinstance(s.outcome, RouteDecision)
+    assert [w.ticket.request_id for w, _ in s.dispatched] == ["q"]
+    assert core.snapshot()["queued"]["normal"] == 0
+    refused = core.submit(_t("late", BG, deadline_s=1e-4))
+    assert isinstance(refused.outcome, Shed) and refused.dispatched == ()

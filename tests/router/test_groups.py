@@ -21,6 +21,7 @@ from router.types import (
     Transition,
 )
 from tests.router.clock import Clock
+from tests.router.support import submit
 
 RT, NORMAL, BG = QoS.REALTIME, QoS.NORMAL, QoS.BACKGROUND
 EVEN = ((10, 10, 10, 10), (10, 10, 10, 10))  # 2 layers x 4 experts
@@ -73,12 +74,14 @@ def test_a_group_takes_work_only_while_every_rank_reports() -> None:
     core = _core(clock, replica_stale_s=2)
     core.report(_report("r0"))
     # One rank of two: the group is not whole yet.
-    assert isinstance(core.submit(Ticket("1", NORMAL, 8, 8)), Waiting)
+    assert isinstance(submit(core, Ticket("1", NORMAL, 8, 8)), Waiting)
     core.report(_report("r1"))
     core.pump()
     assert core.snapshot()["groups"]["g"]["serving"]
     # Both ranks take work: the group is one replica with two entry ranks.
-    placed = {core.submit(Ticket(str(i), NORMAL, 8, 8)).replica_id for i in range(2, 5)}  # type: ignore[union-attr]
+    placed = {
+        submit(core, Ticket(str(i), NORMAL, 8, 8)).replica_id for i in range(2, 5)
+    }  # type: ignore[union-attr]
     assert placed == {"r0", "r1"}
     # Rank 1 dies (no more reports): the group stops taking work, rank 0 too.
     clock.advance(1.5)
@@ -86,7 +89,7 @@ def test_a_group_takes_work_only_while_every_rank_reports() -> None:
     clock.advance(1.0)
     core.tick()
     assert "r1" not in core.replicas
-    assert isinstance(core.submit(Ticket("x", RT, 8, 8)), Waiting)
+    assert isinstance(submit(core, Ticket("x", RT, 8, 8)), Waiting)
     assert not core.snapshot()["groups"]["g"]["serving"]
 
 
@@ -95,11 +98,11 @@ def test_a_failing_rank_stops_its_whole_group() -> None:
     for rid in ("r0", "r1"):
         core.report(_report(rid))
     core.report(ReplicaReport(ReplicaId("solo")))
-    d = core.submit(Ticket("1", NORMAL, 8, 8))
+    d = submit(core, Ticket("1", NORMAL, 8, 8))
     assert isinstance(d, RouteDecision)
     core.release(Release("1", Outcome.FAILED, ReplicaId("r1")))
     for i in range(4):
-        d = core.submit(Ticket(f"n{i}", NORMAL, 8, 8))
+        d = submit(core, Ticket(f"n{i}", NORMAL, 8, 8))
         assert isinstance(d, RouteDecision) and d.replica_id == "solo"
 
 
@@ -120,9 +123,9 @@ def test_breaker_defers_background_then_normal_realtime_runs() -> None:
     # mean of 65, imbalance 3.08, pressure 1.54 > 1.5.
     core.report(_report("r0", _load(((190, 10, 10, 10), (10, 10, 10, 10)))))
     assert core.group_breakers["g"].state == "open-normal"
-    assert isinstance(core.submit(Ticket("bg", BG, 8, 8)), Waiting)
-    assert isinstance(core.submit(Ticket("n", NORMAL, 8, 8)), Waiting)
-    assert isinstance(core.submit(Ticket("rt", RT, 8, 8)), RouteDecision)
+    assert isinstance(submit(core, Ticket("bg", BG, 8, 8)), Waiting)
+    assert isinstance(submit(core, Ticket("n", NORMAL, 8, 8)), Waiting)
+    assert isinstance(submit(core, Ticket("rt", RT, 8, 8)), RouteDecision)
     # Cooling to 1.1 (between 1.0 and 0.8 x 1.5): normal runs, background waits.
     core.report(_report("r0", _load(((63, 10, 10, 10), (10, 10, 10, 10)))))
     assert core.group_breakers["g"].state == "open"
@@ -132,7 +135,7 @@ def test_breaker_defers_background_then_normal_realtime_runs() -> None:
     core.report(_report("r0", _load(EVEN)))
     assert core.group_breakers["g"].state == "half-open"
     assert len(core.pump()) == 1
-    assert isinstance(core.submit(Ticket("bg2", BG, 8, 8)), Waiting)
+    assert isinstance(submit(core, Ticket("bg2", BG, 8, 8)), Waiting)
     # Still cool after probe_s: closed, background flows again.
     clock.advance(5)
     core.tick()
