@@ -20,6 +20,7 @@ import ray
 from ray import serve
 
 from cluster.config import ClusterConfig, EngineConfig
+from cluster.platform import Backend, EnginePlatform
 from cluster.qos import QoS
 from deployments import ep_group, kv_events
 from deployments.ep_group import GroupRank
@@ -101,19 +102,19 @@ def engine_args(
     )
 
 
-def check_platform(config: EngineConfig) -> str:
+def check_platform(config: EngineConfig) -> Backend:
     """The attention backend vLLM will pick in this process, by vLLM's own rule
     (``CpuPlatform.get_attn_backend_cls``). Fails at once, naming what to set,
     where that is not the backend the config was resolved to (``cluster.platform``
     reads the CPU of the machine that loaded the config, which may not be this
     engine's node)."""
     backend = config.attention_backend
-    if backend not in ("AMX_MLA", "CPU_MLA"):
-        return backend  # GPU: vLLM picks among its kernels
+    if backend not in (Backend.AMX_MLA, Backend.CPU_MLA):
+        return Backend.GPU  # vLLM picks among its kernels
     import torch
 
     amx = torch.cpu._is_amx_tile_supported()
-    actual = "AMX_MLA" if amx and backend != "CPU_MLA" else "CPU_MLA"
+    actual = Backend.AMX_MLA if amx and backend != Backend.CPU_MLA else Backend.CPU_MLA
     if actual != backend:
         raise RuntimeError(
             "engine.attention_backend resolved to AMX_MLA where the config was "
@@ -182,8 +183,7 @@ class VLLMEngine:
         self.warmed = (0, 0)  # prefixes run before taking traffic, tokens loaded
         self.expert_load: ExpertLoadWindow | None = None
         self._started = 0  # requests (and warmup prefills) begun since has_work
-        # (attention backend, dtype, block size, prefix caching) as vLLM runs them
-        self.platform: tuple[str, str, int, bool] = ("", "", 0, False)
+        self.platform: EnginePlatform | None = None  # as vLLM runs it, once started
 
     @classmethod
     def start(
@@ -222,17 +222,13 @@ class VLLMEngine:
             config.engine.background_stream_interval_ms / 1000,
         )
         cache = engine.vllm_config.cache_config
-        started.platform = (
+        started.platform = EnginePlatform(
             backend,
             str(engine.vllm_config.model_config.dtype).removeprefix("torch."),
             cache.block_size,
             bool(cache.enable_prefix_caching),
         )
-        logger.info(
-            "engine %s: attention %s, dtype %s, block size %d, prefix cache %s",
-            replica_id,
-            *started.platform,
-        )
+        logger.info("engine %s: %s", replica_id, started.platform.describe())
         return started
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
@@ -366,17 +362,22 @@ class VLLMEngine:
         return self.expert_load.snapshot(time.monotonic())
 
     def stats(self) -> EngineStats:
-        return EngineStats(
+        stats = EngineStats(
             replica_id=self.replica_id,
             running=self._engine.get_num_unfinished_requests(),
             request_ids=tuple(sorted(self._running)),
             pid=os.getpid(),
             warmed_prefixes=self.warmed[0],
             warmed_cached_tokens=self.warmed[1],
-            attention_backend=self.platform[0],
-            dtype=self.platform[1],
-            block_size=self.platform[2],
-            prefix_caching=self.platform[3],
+        )
+        if (p := self.platform) is None:
+            return stats
+        return replace(
+            stats,
+            attention_backend=p.backend.value,
+            dtype=p.dtype,
+            block_size=p.block_size,
+            prefix_caching=p.prefix_caching,
         )
 
     def progress(self) -> tuple[RequestProgress, ...]:
