@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray import serve
 
+from cluster import platform
 from cluster.config import ClusterConfig, EngineConfig
 from cluster.platform import Backend, EnginePlatform
 from cluster.qos import QoS
@@ -103,26 +104,26 @@ def engine_args(
 
 
 def check_platform(config: EngineConfig) -> Backend:
-    """The attention backend vLLM will pick in this process, by vLLM's own rule
-    (``CpuPlatform.get_attn_backend_cls``). Fails at once, naming what to set,
-    where that is not the backend the config was resolved to (``cluster.platform``
-    reads the CPU of the machine that loaded the config, which may not be this
-    engine's node)."""
-    backend = config.attention_backend
-    if backend not in (Backend.AMX_MLA, Backend.CPU_MLA):
+    """The attention backend this process gets: the resolved one, checked again
+    with vLLM's own AMX test here (``cluster.platform`` read the CPU of the machine
+    that loaded the config, which may not be this engine's node). Fails at once,
+    naming what to set, where this node refuses it."""
+    if config.attention_backend not in (Backend.AMX_MLA, Backend.CPU_MLA):
         return Backend.GPU  # vLLM picks among its kernels
     import torch
 
-    amx = torch.cpu._is_amx_tile_supported()
-    actual = Backend.AMX_MLA if amx and backend != Backend.CPU_MLA else Backend.CPU_MLA
-    if actual != backend:
-        raise RuntimeError(
-            "engine.attention_backend resolved to AMX_MLA where the config was "
-            "loaded, but this engine's CPU has no usable AMX: set "
-            "engine.attention_backend: CPU_MLA (with engine.dtype and "
-            "engine.block_size auto)"
+    try:
+        resolved = platform.resolve(
+            config.attention_backend,
+            config.dtype,
+            config.kv_block_size,
+            config.enable_prefix_caching,
+            gpu=False,
+            amx=torch.cpu._is_amx_tile_supported(),
         )
-    return actual
+    except ValueError as e:
+        raise RuntimeError(f"on this engine's node: {e}") from None
+    return resolved.backend
 
 
 def check_started(config: EngineConfig, vllm_config: Any) -> None:

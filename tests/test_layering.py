@@ -15,10 +15,13 @@ LAYERS = ["cluster", "kvstore", "router", "deployments"]  # each may import thos
 ENGINE_SIDE = {"kvstore/connector.py"}
 
 
-def _imports(path: Path) -> set[str]:
+def _imports(path: Path, top_level: bool = False) -> set[str]:
+    """The top packages ``path`` imports (absolute imports only); ``top_level``:
+    only those the module itself imports, not its functions."""
     tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level else list(ast.walk(tree))
     names: set[str] = set()
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, ast.Import):
             names |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -42,12 +45,5 @@ def test_torch_and_vllm_only_where_an_engine_runs(package: str) -> None:
             continue
         # A function may import them where it runs with the engine; the module
         # itself loads without them (the ingress and the router never pull them).
-        tree = ast.parse(path.read_text())
-        top = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
-        names = set()
-        for node in top:
-            if isinstance(node, ast.Import):
-                names |= {a.name.split(".")[0] for a in node.names}
-            elif node.module:
-                names.add(node.module.split(".")[0])
-        assert not names & {"torch", "vllm"}, f"{rel} imports torch or vllm"
+        bad = _imports(path, top_level=True) & {"torch", "vllm"}
+        assert not bad, f"{rel} imports {sorted(bad)}"
