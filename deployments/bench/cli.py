@@ -148,7 +148,26 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     return result_json(config, records, duration, slo)
 
 
+def check_extra(args: argparse.Namespace) -> None:
+    """Fails before any load is sent when this run needs a module of the ``bench``
+    extra that is not installed (a serving node has only the core packages)."""
+    import importlib.util
+
+    needed = {
+        "httpx": args.backend == "openai",
+        "tqdm": not args.no_progress,
+        "matplotlib": args.plots is not None,
+    }
+    find = importlib.util.find_spec
+    missing = [m for m, used in needed.items() if used and find(m) is None]
+    if missing:
+        raise ValueError(
+            f"bench needs {', '.join(missing)}: pip install 'moe-cluster[bench]'"
+        )
+
+
 def main(args: argparse.Namespace) -> int:
+    check_extra(args)
     if args.num_requests is None and args.duration is None:
         args.num_requests = 100
     result = asyncio.run(run_bench(args))

@@ -24,7 +24,7 @@ import pytest
 
 from cluster.config import ClusterConfig
 from cluster.platform import EnginePlatform
-from deployments.client import InferenceClient
+from deployments.ingress.client import InferenceClient
 
 API_KEY = "test-key-123"
 

@@ -10,9 +10,9 @@ from pydantic import ValidationError
 from ray.serve.config import GangPlacementStrategy, GangRuntimeFailurePolicy
 
 from cluster.config import ClusterConfig
-from deployments.engine import WORKER_EXTENSION, engine_args
-from deployments.ep_group import GroupRank, engine_options, gpu_engine_kwargs
-from deployments.expert_load import ExpertLoadWindow
+from deployments.engine.deployment import WORKER_EXTENSION, engine_args
+from deployments.engine.expert_load import ExpertLoadWindow
+from deployments.ep.group import GroupRank, engine_options, gpu_engine_kwargs
 
 
 def _config(**ep: Any) -> ClusterConfig:

@@ -19,8 +19,8 @@ from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import DecodeError, Message
 
 from cluster.qos import QoS
-from deployments import validation
-from deployments.frontend import Frontend, ModelFacts
+from deployments.ingress import validation
+from deployments.ingress.frontend import Frontend, ModelFacts
 from deployments.proto import inference_pb2 as pb
 from deployments.proto.inference_pb2_grpc import add_InferenceServicer_to_server
 from deployments.protocol import EngineRequest, Finish, TokenDelta

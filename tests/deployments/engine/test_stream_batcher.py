@@ -1,7 +1,7 @@
 import pytest
 
+from deployments.engine.stream_batcher import DeltaBatcher
 from deployments.protocol import TokenDelta
-from deployments.stream_batcher import DeltaBatcher
 
 
 def test_first_delta_goes_out_at_once_then_every_interval() -> None:

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cluster.qos import QoS
-from deployments import validation
-from deployments.errors import Status
+from deployments.ingress import validation
+from deployments.ingress.errors import Status
 from deployments.protocol import EngineRequest, Finish
 
 if TYPE_CHECKING:
-    from deployments.frontend import Frontend
+    from deployments.ingress.frontend import Frontend
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 

@@ -21,14 +21,14 @@ from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
 from cluster.config import ClusterConfig
-from deployments import grpc_api, kv_warm, openai_api, validation
-from deployments.errors import CLIENT_ERRORS, ServiceError, status_of
-from deployments.frontend import Frontend, ModelFacts
-from deployments.grpc_api import MalformedRequest
-from deployments.kv_warm import WarmRequest
+from deployments.ingress import grpc_api, kv_warm, openai_api, validation
+from deployments.ingress.errors import CLIENT_ERRORS, ServiceError, status_of
+from deployments.ingress.frontend import Frontend, ModelFacts
+from deployments.ingress.grpc_api import MalformedRequest
+from deployments.ingress.kv_warm import WarmRequest
+from deployments.ingress.router_client import RouterClient
 from deployments.proto import inference_pb2 as pb
 from deployments.protocol import EngineEvent, EngineRequest, Finish, TokenDelta
-from deployments.router_client import RouterClient
 from router import actor as router_actor
 from router.experts import ExpertPredictor
 from router.tickets import TicketMaker

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 
-from deployments.errors import (
+from deployments.ingress.errors import (
     CLIENT_ERRORS,
     AlreadyInFlight,
     DeadlineMissed,
@@ -29,8 +29,8 @@ from deployments.errors import (
     Overloaded,
     Unauthenticated,
 )
+from deployments.ingress.validation import InvalidRequest, Limits
 from deployments.protocol import EngineEvent, EngineRequest, Finish, Started, TokenDelta
-from deployments.validation import InvalidRequest, Limits
 from router.tickets import TicketMaker
 from router.types import Outcome, Release, ReplicaId, RouteDecision, Ticket
 

@@ -10,16 +10,16 @@ import pytest
 
 from cluster.config import RouterConfig
 from cluster.qos import QoS
-from deployments.errors import OVERLOADED, EngineUnavailable, status_of
-from deployments.frontend import Frontend
+from deployments.ingress.errors import OVERLOADED, EngineUnavailable, status_of
+from deployments.ingress.frontend import Frontend
+from deployments.ingress.validation import Limits
 from deployments.protocol import EngineRequest, Finish, Sampling, Started, TokenDelta
-from deployments.validation import Limits
 from router.core import RouterCore
 from router.experts import ExpertPredictor
 from router.service import RouterService
 from router.tickets import TicketMaker
 from router.types import ReplicaId, ReplicaReport, Shed
-from tests.deployments.test_frontend import FACTS, ScriptedStream
+from tests.deployments.ingress.test_frontend import FACTS, ScriptedStream
 
 
 class LocalAdmission:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from deployments.validation import InvalidRequest
+from deployments.ingress.validation import InvalidRequest
 from router.types import Shed
 
 

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from deployments.errors import EngineUnavailable
+from deployments.ingress.errors import EngineUnavailable
 from router.tickets import TicketMaker
 from router.types import Release, RouteDecision, Shed, Ticket
 

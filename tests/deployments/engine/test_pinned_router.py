@@ -1,6 +1,6 @@
 from typing import Any
 
-from deployments.pinned_router import PinnedRequestRouter, target_of
+from deployments.engine.pinned_router import PinnedRequestRouter, target_of
 from deployments.protocol import EngineRequest, Sampling
 
 

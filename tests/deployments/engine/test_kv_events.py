@@ -9,8 +9,13 @@ from typing import Any
 
 import pytest
 
-from deployments.kv_events import STORE, KVEventListener, convert, remove_endpoint
-from deployments.reporter import Reporter
+from deployments.engine.kv_events import (
+    STORE,
+    KVEventListener,
+    convert,
+    remove_endpoint,
+)
+from deployments.engine.reporter import Reporter
 from kvstore.block_hash import block_hashes
 from router.prefix import PrefixDirectory
 from router.types import KVEvent, ReplicaId, ReplicaReport

@@ -4,9 +4,9 @@ from typing import Any
 
 import pytest
 
-from deployments import validation
+from deployments.ingress import validation
+from deployments.ingress.validation import InvalidRequest, Limits
 from deployments.protocol import Sampling
-from deployments.validation import InvalidRequest, Limits
 
 LIMITS = Limits(max_model_len=100, vocab_size=50, max_prompt_bytes=16)
 

@@ -11,12 +11,12 @@ import grpc
 import pytest
 
 from cluster.qos import QoS
-from deployments import grpc_api
-from deployments.grpc_api import MalformedRequest, add_inference_servicer
+from deployments.ingress import grpc_api
+from deployments.ingress.grpc_api import MalformedRequest, add_inference_servicer
+from deployments.ingress.validation import InvalidRequest, Limits
 from deployments.proto import inference_pb2 as pb
-from deployments.validation import InvalidRequest, Limits
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_regenerating_the_stubs_changes_nothing(tmp_path: Path) -> None:

@@ -9,14 +9,15 @@ from typing import Any
 import pytest
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 
-from deployments.errors import (
+from deployments.ingress.errors import (
     AlreadyInFlight,
     DeadlineMissed,
     EngineUnavailable,
     Overloaded,
     Unauthenticated,
 )
-from deployments.frontend import Frontend, ModelFacts
+from deployments.ingress.frontend import Frontend, ModelFacts
+from deployments.ingress.validation import Limits
 from deployments.protocol import (
     EngineEvent,
     EngineRequest,
@@ -25,7 +26,6 @@ from deployments.protocol import (
     Started,
     TokenDelta,
 )
-from deployments.validation import Limits
 
 FACTS = ModelFacts("m", "DeepseekV2ForCausalLM", 64, 100, 4, 3, 16, 1, 2, 4, 2)
 

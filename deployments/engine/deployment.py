@@ -23,9 +23,12 @@ from cluster import platform
 from cluster.config import ClusterConfig, EngineConfig
 from cluster.platform import Backend, EnginePlatform
 from cluster.qos import QoS
-from deployments import ep_group, kv_events
-from deployments.ep_group import GroupRank
-from deployments.expert_load import ExpertLoadWindow
+from deployments.engine import kv_events
+from deployments.engine.expert_load import ExpertLoadWindow
+from deployments.engine.reporter import Reporter
+from deployments.engine.stream_batcher import DeltaBatcher
+from deployments.ep import group as ep_group
+from deployments.ep.group import GroupRank
 from deployments.protocol import (
     EngineEvent,
     EngineRequest,
@@ -34,8 +37,6 @@ from deployments.protocol import (
     Sampling,
     Started,
 )
-from deployments.reporter import Reporter
-from deployments.stream_batcher import DeltaBatcher
 from router.types import ExpertLoad, RequestProgress
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ def engine_env(config: EngineConfig) -> dict[str, str]:
     return env
 
 
-WORKER_EXTENSION = "deployments.expert_load.ExpertLoadExtension"
+WORKER_EXTENSION = "deployments.engine.expert_load.ExpertLoadExtension"
 
 
 def engine_args(

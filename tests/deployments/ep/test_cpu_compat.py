@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from deployments import cpu_ep_compat
+from deployments.ep import cpu_compat as cpu_ep_compat
 
 
 def _rank(rank: int, port: int, out: Any) -> None:

@@ -4,14 +4,14 @@ import json
 
 import pytest
 
-from deployments import openai_api
-from deployments.openai_api import (
+from deployments.ingress import openai_api
+from deployments.ingress.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     ResponseShape,
 )
+from deployments.ingress.validation import InvalidRequest
 from deployments.protocol import Finish
-from deployments.validation import InvalidRequest
 
 
 def body(**kw: object) -> bytes:
@@ -82,7 +82,7 @@ def test_shapes() -> None:
 
 
 class FakeFrontend:
-    from deployments.validation import Limits
+    from deployments.ingress.validation import Limits
 
     limits = Limits(max_model_len=40, vocab_size=50, max_prompt_bytes=64)
     facts = type("Facts", (), {"name": "m"})()
