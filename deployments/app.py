@@ -11,7 +11,8 @@ from ray.serve.deployment import Application
 
 from cluster.config import ClusterConfig
 from cluster.tiny_model import write_tiny_model
-from deployments.engine.deployment import EngineDeployment, engine_env
+from deployments.engine.args import engine_env
+from deployments.engine.deployment import EngineDeployment
 from deployments.engine.pinned_router import PinnedRequestRouter
 from deployments.ep.group import engine_options
 from deployments.ingress.deployment import Ingress

@@ -1,8 +1,10 @@
-"""One engine replica: a vLLM ``AsyncLLM`` with priority scheduling.
+"""The engine deployment: the Ray Serve shell around one ``VLLMEngine``.
 
-``VLLMEngine`` owns the engine and speaks the ``protocol`` dataclasses;
-``EngineDeployment`` is the thin Ray Serve shell around it. vLLM is imported here
-and in no module the ingress loads.
+``EngineServer`` joins the replica's EP group, opens its KV event endpoint,
+attaches the node's page store, reports to the DeepSeekRouter and warms the engine
+before traffic. The engine class and where the replica runs are injected, so this
+logic is unit-tested with a scripted engine and no cluster; ``EngineDeployment``
+is the class Serve runs.
 """
 
 from __future__ import annotations
@@ -10,421 +12,72 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
-import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import ray
 from ray import serve
 
-from cluster import platform
-from cluster.config import ClusterConfig, EngineConfig
-from cluster.platform import Backend, EnginePlatform
-from cluster.qos import QoS
+from cluster.config import ClusterConfig
 from deployments.engine import kv_events
-from deployments.engine.expert_load import ExpertLoadWindow
 from deployments.engine.reporter import Reporter
-from deployments.engine.stream_batcher import DeltaBatcher
+from deployments.engine.vllm_engine import VLLMEngine
 from deployments.ep import group as ep_group
 from deployments.ep.group import GroupRank
-from deployments.protocol import (
-    EngineEvent,
-    EngineRequest,
-    EngineStats,
-    Finish,
-    Sampling,
-    Started,
-)
-from router.types import ExpertLoad, RequestProgress
-
-if TYPE_CHECKING:
-    from vllm.v1.engine.async_llm import AsyncLLM
+from deployments.protocol import EngineEvent, EngineRequest, EngineStats
 
 logger = logging.getLogger("moe_cluster.engine")
 
 
-def engine_env(config: EngineConfig) -> dict[str, str]:
-    """Environment the engine's processes need (set before vLLM spawns them)."""
-    env = {
-        "VLLM_CPU_OMP_THREADS_BIND": config.cpu_omp_threads_bind,
-        # KV events carry the full block digests the router computes.
-        "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "0",
-    }
-    if config.omp_num_threads is not None:
-        env["OMP_NUM_THREADS"] = str(config.omp_num_threads)
-    return env
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a replica runs: Serve's replica id, its Ray node, and its gang (the EP
+    group's scheduling context; ``None`` outside one)."""
 
+    replica_id: str
+    node_id: str
+    gang: Any = None
 
-WORKER_EXTENSION = "deployments.engine.expert_load.ExpertLoadExtension"
-
-
-def engine_args(
-    model_path: str,
-    served_name: str,
-    config: EngineConfig,
-    kv_events_endpoint: str | None = None,
-    kv_store_socket: str | None = None,
-    parallel: dict[str, Any] | None = None,
-) -> Any:
-    """vLLM's arguments; ``parallel`` adds the EP group rank's data-parallel and
-    expert-parallel ones (``ep_group``)."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    events = None
-    if kv_events_endpoint is not None and config.enable_prefix_caching:
-        events = kv_events.events_config(kv_events_endpoint)
-    transfer = None
-    if kv_store_socket is not None:
-        from kvstore.connector import transfer_config
-
-        transfer = transfer_config(kv_store_socket)
-
-    backend = config.attention_backend
-    return AsyncEngineArgs(
-        model=model_path,
-        served_model_name=[served_name],
-        attention_backend=None if backend == "auto" else backend,
-        dtype=config.dtype,
-        max_model_len=config.max_model_len,
-        max_num_seqs=config.max_num_seqs,
-        block_size=config.kv_block_size,
-        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-        tensor_parallel_size=config.tensor_parallel_size,
-        enforce_eager=config.enforce_eager,
-        enable_prefix_caching=config.enable_prefix_caching,
-        scheduling_policy="priority",
-        disable_log_stats=True,
-        kv_events_config=events,
-        kv_transfer_config=transfer,
-        worker_extension_cls=WORKER_EXTENSION if config.measures_expert_load else "",
-        **(parallel or {}),
-    )
-
-
-def check_platform(config: EngineConfig) -> Backend:
-    """The attention backend this process gets: the resolved one, checked again
-    with vLLM's own AMX test here (``cluster.platform`` read the CPU of the machine
-    that loaded the config, which may not be this engine's node). Fails at once,
-    naming what to set, where this node refuses it."""
-    if config.attention_backend not in (Backend.AMX_MLA, Backend.CPU_MLA):
-        return Backend.GPU  # vLLM picks among its kernels
-    import torch
-
-    try:
-        resolved = platform.resolve(
-            config.attention_backend,
-            config.dtype,
-            config.kv_block_size,
-            config.enable_prefix_caching,
-            gpu=False,
-            amx=torch.cpu._is_amx_tile_supported(),
-        )
-    except ValueError as e:
-        raise RuntimeError(f"on this engine's node: {e}") from None
-    return resolved.backend
-
-
-def check_started(config: EngineConfig, vllm_config: Any) -> None:
-    """The engine must use the block size the ingress hashes prompts with."""
-    actual = vllm_config.cache_config.block_size
-    if actual != config.kv_block_size:
-        raise RuntimeError(
-            f"vLLM chose KV blocks of {actual} tokens where the config says "
-            f"{config.kv_block_size}: set engine.block_size: {actual}"
-        )
-
-
-def sampling_params(s: Sampling) -> Any:
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    return SamplingParams(
-        max_tokens=s.max_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        seed=s.seed,
-        stop=list(s.stop) or None,
-        stop_token_ids=list(s.stop_token_ids) or None,
-        ignore_eos=s.ignore_eos,
-        output_kind=RequestOutputKind.DELTA,
-        detokenize=True,
-    )
-
-
-@dataclass(slots=True)
-class _Running:
-    request: EngineRequest
-    output_tokens: int = 0
-
-
-class VLLMEngine:
-    """Streams ``EngineEvent``s for ``EngineRequest``s from one ``AsyncLLM``.
-
-    Invariant: every stream opens with ``Started`` and ends with exactly one
-    ``Finish``, unless the engine fails (the stream raises); a stream whose
-    consumer goes away (cancellation) aborts its engine request before returning.
-    """
-
-    def __init__(
-        self,
-        engine: AsyncLLM,
-        replica_id: str,
-        stream_interval_s: float = 0.0,
-        background_stream_interval_s: float = 0.0,
-    ) -> None:
-        self._engine = engine
-        self.replica_id = replica_id
-        self._stream_interval_s = stream_interval_s
-        self._background_interval_s = background_stream_interval_s
-        self._running: dict[str, _Running] = {}
-        self.tokens_generated = 0
-        self.warmed = (0, 0)  # prefixes run before taking traffic, tokens loaded
-        self.expert_load: ExpertLoadWindow | None = None
-        self._started = 0  # requests (and warmup prefills) begun since has_work
-        self.platform: EnginePlatform | None = None  # as vLLM runs it, once started
-
-    @classmethod
-    def start(
-        cls,
-        config: ClusterConfig,
-        replica_id: str,
-        kv_events_endpoint: str | None,
-        kv_store_socket: str | None = None,
-        group: GroupRank | None = None,
-    ) -> VLLMEngine:
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        os.environ.update(engine_env(config.engine))
-        backend = check_platform(config.engine)
-        parallel = None
-        if group is not None:
-            parallel = group.engine_kwargs() | ep_group.gpu_engine_kwargs(config)
-        args = engine_args(
-            config.model.path,
-            config.model.served_name,
-            config.engine,
-            kv_events_endpoint,
-            kv_store_socket,
-            parallel,
-        )
-        engine = AsyncLLM.from_engine_args(args)
-        try:
-            check_started(config.engine, engine.vllm_config)
-        except RuntimeError:
-            engine.shutdown()
-            raise
-        started = cls(
-            engine,
-            replica_id,
-            config.engine.stream_interval_ms / 1000,
-            config.engine.background_stream_interval_ms / 1000,
-        )
-        cache = engine.vllm_config.cache_config
-        started.platform = EnginePlatform(
-            backend,
-            str(engine.vllm_config.model_config.dtype).removeprefix("torch."),
-            cache.block_size,
-            bool(cache.enable_prefix_caching),
-        )
-        logger.info("engine %s: %s", replica_id, started.platform.describe())
-        return started
-
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
-        from vllm.inputs import TokensPrompt
-
-        rid = request.request_id
-        running = self._running[rid] = _Running(request)
-        self._started += 1
-        completion = 0
-        finished = False
-        try:
-            prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
-            if request.tenant:  # tenants never share (or time) cached prefixes
-                prompt["cache_salt"] = request.tenant
-            outputs = self._engine.generate(
-                prompt,
-                sampling_params(request.sampling),
-                rid,
-                priority=int(request.qos),
-            )
-            yield Started(self.replica_id)
-            batcher = DeltaBatcher(
-                self._background_interval_s
-                if request.qos == QoS.BACKGROUND
-                else self._stream_interval_s
-            )
-            clock = asyncio.get_running_loop().time
-            async for out in outputs:
-                seq = out.outputs[0]
-                completion += len(seq.token_ids)
-                running.output_tokens = completion
-                self.tokens_generated += len(seq.token_ids)
-                delta = batcher.add(list(seq.token_ids), seq.text, clock())
-                if delta is not None:
-                    yield delta
-                if out.finished:
-                    finished = True
-                    if (rest := batcher.flush(clock())) is not None:
-                        yield rest
-                    yield Finish(
-                        reason=_finish_reason(seq.finish_reason),
-                        prompt_tokens=len(request.prompt_token_ids),
-                        completion_tokens=completion,
-                        cached_tokens=out.num_cached_tokens or 0,
-                        replica_id=self.replica_id,
-                    )
-        finally:
-            self._running.pop(rid, None)
-            if not finished:
-                # Consumer cancelled or closed the stream: free the engine slot.
-                await self._engine.abort(rid)
-
-    async def abort(self, request_id: str) -> None:
-        await self._engine.abort(request_id)
-
-    async def prefill(
-        self, tokens: list[int] | None = None, text: str = "", tenant: str = ""
-    ) -> int:
-        """Runs a prompt for one token so its pages are loaded (or computed and
-        saved); returns how many of its tokens came from cache."""
-        from vllm import SamplingParams
-        from vllm.inputs import TextPrompt, TokensPrompt
-
-        prompt: Any = (
-            TokensPrompt(prompt_token_ids=tokens) if tokens else TextPrompt(prompt=text)
-        )
-        if tenant:
-            prompt["cache_salt"] = tenant
-        self._started += 1
-        cached = 0
-        async for out in self._engine.generate(
-            prompt,
-            SamplingParams(max_tokens=1),
-            f"warmup-{uuid.uuid4().hex}",
-            priority=int(QoS.BACKGROUND),
-        ):
-            if out.finished:
-                cached = out.num_cached_tokens or 0
-        return cached
-
-    async def warm(
-        self, prompts: list[tuple[list[int] | None, str, str]], timeout_s: float
-    ) -> None:
-        """Prefills (token ids or text, tenant) prompts before the replica takes
-        traffic; ``warmed`` records how many ran and the tokens they loaded."""
-        if not prompts:
-            return
-        t = time.monotonic()
-        jobs = [self.prefill(ids, text, tenant) for ids, text, tenant in prompts]
-        try:
-            cached = await asyncio.wait_for(asyncio.gather(*jobs), timeout_s)
-        except TimeoutError:
-            logger.warning("warmup cut short after %.0f s", timeout_s)
-            return
-        self.warmed = (len(jobs), sum(cached))
-        logger.info(
-            "warmed %d prefixes (%d tokens from the page store) in %.2f s",
-            len(jobs),
-            sum(cached),
-            time.monotonic() - t,
-        )
-
-    async def check_health(self) -> None:
-        """Raises when the engine core is dead."""
-        await self._engine.check_health()
-
-    async def measure_expert_load(self, window_s: float) -> None:
-        """Hooks the workers' MoE routers and keeps a rolling window of their
-        counts (see ``expert_load``); returns once the hooks are in."""
-        [(layers, experts), *_] = await self._engine.collective_rpc(
-            "moe_expert_load_install"
-        )
-        if layers:
-            self.expert_load = ExpertLoadWindow(tuple(layers), experts, window_s)
-
-    async def poll_expert_load(self) -> None:
-        """Adds the workers' counts since the last poll to the window."""
-        if self.expert_load is None:
-            return
-        [counts, *_] = await self._engine.collective_rpc("moe_expert_load_take")
-        self.expert_load.add(time.monotonic(), counts)
-
-    def has_work(self) -> bool:
-        """Whether a request has run since the last call (or still runs)."""
-        started, self._started = self._started, 0
-        return started > 0 or self._engine.get_num_unfinished_requests() > 0
-
-    def expert_load_snapshot(self) -> ExpertLoad | None:
-        if self.expert_load is None:
-            return None
-        return self.expert_load.snapshot(time.monotonic())
-
-    def stats(self) -> EngineStats:
-        stats = EngineStats(
-            replica_id=self.replica_id,
-            running=self._engine.get_num_unfinished_requests(),
-            request_ids=tuple(sorted(self._running)),
-            pid=os.getpid(),
-            warmed_prefixes=self.warmed[0],
-            warmed_cached_tokens=self.warmed[1],
-        )
-        if (p := self.platform) is None:
-            return stats
-        return replace(
-            stats,
-            attention_backend=p.backend.value,
-            dtype=p.dtype,
-            block_size=p.block_size,
-            prefix_caching=p.prefix_caching,
-        )
-
-    def progress(self) -> tuple[RequestProgress, ...]:
-        return tuple(
-            RequestProgress(
-                rid,
-                len(r.request.prompt_token_ids),
-                r.output_tokens,
-                r.request.sampling.max_tokens,
-                r.request.qos,
-            )
-            for rid, r in self._running.items()
-        )
-
-    def shutdown(self) -> None:
-        self._engine.shutdown()
-
-
-def _finish_reason(reason: str | None) -> Any:
-    # vLLM says "stop" for EOS/stop strings, "length" for max_tokens, "abort".
-    return reason if reason in ("stop", "length", "abort") else "stop"
-
-
-@serve.deployment(name="Engine")
-class EngineDeployment:
-    """Ray Serve shell of one ``VLLMEngine``; Serve restarts it when unhealthy."""
-
-    async def __init__(self, config: ClusterConfig) -> None:  # type: ignore[misc]
+    @staticmethod
+    def of_this_replica() -> Placement:
         context = serve.get_replica_context()
-        replica_id = context.replica_id.unique_id
+        return Placement(
+            context.replica_id.unique_id,
+            ray.get_runtime_context().get_node_id(),
+            getattr(context, "gang_context", None),
+        )
+
+
+class EngineServer:
+    """One engine replica; Serve restarts it when unhealthy."""
+
+    engine_cls: type[VLLMEngine] = VLLMEngine
+
+    async def __init__(
+        self,
+        config: ClusterConfig,
+        *,
+        engine_cls: type[VLLMEngine] | None = None,
+        placement: Placement | None = None,
+        exit_process: Callable[[int], object] = os._exit,
+    ) -> None:
+        where = placement or Placement.of_this_replica()
+        replica_id = where.replica_id
+        self._node_id = where.node_id
+        self._exit_process = exit_process
         self._group: GroupRank | None = None
-        self._node_id = ray.get_runtime_context().get_node_id()
-        gang = getattr(context, "gang_context", None)
         if config.expert_parallel.enabled:
-            if gang is None:
+            if where.gang is None:
                 raise RuntimeError(
                     "expert_parallel.ranks > 1 needs the engine deployment gang-"
                     "scheduled (build it with deployments.app.build_app)"
                 )
             self._group = await ep_group.join(
-                gang, config.expert_parallel.master_timeout_s
+                where.gang, config.expert_parallel.master_timeout_s
             )
-        router_on = config.router.enabled
         endpoint = listen = None
-        if router_on:
+        if config.router.enabled:
             rank = self._group.rank if self._group else 0
             endpoint, listen = kv_events.rank_endpoints(replica_id, rank)
         self._kv_endpoint = endpoint
@@ -432,7 +85,7 @@ class EngineDeployment:
         store, socket = None, None
         if config.kvstore.enabled:
             store, socket = await _node_store(config)
-        self._engine = VLLMEngine.start(
+        self._engine = (engine_cls or self.engine_cls).start(
             config, replica_id, endpoint, socket, self._group
         )
         loop = asyncio.get_running_loop()
@@ -519,16 +172,13 @@ class EngineDeployment:
         # and start a replacement at once instead of at the next health check;
         # the short delay lets this request's error reach the caller first.
         logger.error("engine of replica %s is dead; exiting", self._engine.replica_id)
-        asyncio.get_running_loop().call_later(0.5, os._exit, 1)
+        asyncio.get_running_loop().call_later(EXIT_DELAY_S, self._exit_process, 1)
 
     async def abort(self, request_id: str) -> None:
         await self._engine.abort(request_id)
 
     async def stats(self) -> EngineStats:
-        stats = replace(self._engine.stats(), node_id=self._node_id)
-        if (g := self._group) is not None:
-            stats = replace(stats, group=g.group_id, rank=g.rank, group_size=g.size)
-        return stats
+        return self._engine.stats(self._node_id, self._group)
 
     async def check_health(self) -> None:
         await asyncio.wait_for(self._engine.check_health(), timeout=10)
@@ -543,6 +193,10 @@ class EngineDeployment:
         endpoint = getattr(self, "_kv_endpoint", None)
         if endpoint is not None:
             kv_events.remove_endpoint(endpoint)
+
+
+EngineDeployment = serve.deployment(name="Engine")(EngineServer)
+EXIT_DELAY_S = 0.5
 
 
 async def _node_store(config: ClusterConfig) -> tuple[Any, str]:

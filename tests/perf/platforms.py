@@ -255,7 +255,7 @@ def before(model: str, idle_s: float) -> dict[str, Any]:
 
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from deployments.engine.deployment import engine_args, engine_env
+    from deployments.engine.args import engine_args, engine_env
 
     config = _config(model, "auto")
     os.environ.update(engine_env(config.engine))

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from ray.serve.config import GangPlacementStrategy, GangRuntimeFailurePolicy
 
 from cluster.config import ClusterConfig
-from deployments.engine.deployment import WORKER_EXTENSION, engine_args
+from deployments.engine.args import WORKER_EXTENSION, engine_args
 from deployments.engine.expert_load import ExpertLoadWindow
 from deployments.ep.group import GroupRank, engine_options, gpu_engine_kwargs
 

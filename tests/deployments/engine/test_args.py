@@ -6,7 +6,7 @@ import pytest
 
 from cluster.config import EngineConfig
 from cluster.platform import Backend
-from deployments.engine.deployment import check_platform
+from deployments.engine.args import check_platform
 
 
 def test_an_amx_config_on_a_node_without_amx_fails_naming_what_to_set(

@@ -1,0 +1,124 @@
+"""vLLM's side of an engine replica's configuration: its environment, its
+``AsyncEngineArgs``, the platform checks before and after it starts, and the
+``SamplingParams`` of a request. vLLM is imported inside the functions only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cluster import platform
+from cluster.config import EngineConfig
+from cluster.platform import Backend
+from deployments.engine import kv_events
+from deployments.protocol import Sampling
+
+
+def engine_env(config: EngineConfig) -> dict[str, str]:
+    """Environment the engine's processes need (set before vLLM spawns them)."""
+    env = {
+        "VLLM_CPU_OMP_THREADS_BIND": config.cpu_omp_threads_bind,
+        # KV events carry the full block digests the router computes.
+        "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "0",
+    }
+    if config.omp_num_threads is not None:
+        env["OMP_NUM_THREADS"] = str(config.omp_num_threads)
+    return env
+
+
+WORKER_EXTENSION = "deployments.engine.expert_load.ExpertLoadExtension"
+
+
+def engine_args(
+    model_path: str,
+    served_name: str,
+    config: EngineConfig,
+    kv_events_endpoint: str | None = None,
+    kv_store_socket: str | None = None,
+    parallel: dict[str, Any] | None = None,
+) -> Any:
+    """vLLM's arguments; ``parallel`` adds the EP group rank's data-parallel and
+    expert-parallel ones (``ep_group``)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    events = None
+    if kv_events_endpoint is not None and config.enable_prefix_caching:
+        events = kv_events.events_config(kv_events_endpoint)
+    transfer = None
+    if kv_store_socket is not None:
+        from kvstore.connector import transfer_config
+
+        transfer = transfer_config(kv_store_socket)
+
+    backend = config.attention_backend
+    return AsyncEngineArgs(
+        model=model_path,
+        served_model_name=[served_name],
+        attention_backend=None if backend == "auto" else backend,
+        dtype=config.dtype,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        block_size=config.kv_block_size,
+        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        tensor_parallel_size=config.tensor_parallel_size,
+        enforce_eager=config.enforce_eager,
+        enable_prefix_caching=config.enable_prefix_caching,
+        scheduling_policy="priority",
+        disable_log_stats=True,
+        kv_events_config=events,
+        kv_transfer_config=transfer,
+        worker_extension_cls=WORKER_EXTENSION if config.measures_expert_load else "",
+        **(parallel or {}),
+    )
+
+
+def check_platform(config: EngineConfig) -> Backend:
+    """The attention backend this process gets: the resolved one, checked again
+    with vLLM's own AMX test here (``cluster.platform`` read the CPU of the machine
+    that loaded the config, which may not be this engine's node). Fails at once,
+    naming what to set, where this node refuses it."""
+    if config.attention_backend not in (Backend.AMX_MLA, Backend.CPU_MLA):
+        return Backend.GPU  # vLLM picks among its kernels
+    import torch
+
+    try:
+        resolved = platform.resolve(
+            config.attention_backend,
+            config.dtype,
+            config.kv_block_size,
+            config.enable_prefix_caching,
+            gpu=False,
+            amx=torch.cpu._is_amx_tile_supported(),
+        )
+    except ValueError as e:
+        raise RuntimeError(f"on this engine's node: {e}") from None
+    return resolved.backend
+
+
+def check_started(config: EngineConfig, vllm_config: Any) -> None:
+    """The engine must use the block size the ingress hashes prompts with."""
+    actual = vllm_config.cache_config.block_size
+    if actual != config.kv_block_size:
+        raise RuntimeError(
+            f"vLLM chose KV blocks of {actual} tokens where the config says "
+            f"{config.kv_block_size}: set engine.block_size: {actual}"
+        )
+
+
+def sampling_params(s: Sampling) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=s.seed,
+        stop=list(s.stop) or None,
+        stop_token_ids=list(s.stop_token_ids) or None,
+        ignore_eos=s.ignore_eos,
+        output_kind=RequestOutputKind.DELTA,
+        detokenize=True,
+    )

@@ -1,0 +1,292 @@
+"""``VLLMEngine``: one vLLM ``AsyncLLM`` with priority scheduling, speaking the
+``protocol`` dataclasses (requests in, ``EngineEvent`` streams and ``EngineStats``
+out). vLLM is imported here and in no module the ingress loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from cluster.config import ClusterConfig
+from cluster.platform import EnginePlatform
+from cluster.qos import QoS
+from deployments.engine.args import (
+    check_platform,
+    check_started,
+    engine_args,
+    engine_env,
+    sampling_params,
+)
+from deployments.engine.expert_load import ExpertLoadWindow
+from deployments.engine.stream_batcher import DeltaBatcher
+from deployments.ep import group as ep_group
+from deployments.ep.group import GroupRank
+from deployments.protocol import (
+    EngineEvent,
+    EngineRequest,
+    EngineStats,
+    Finish,
+    Started,
+)
+from router.types import ExpertLoad, RequestProgress
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger("moe_cluster.engine")
+
+
+@dataclass(slots=True)
+class _Running:
+    request: EngineRequest
+    output_tokens: int = 0
+
+
+class VLLMEngine:
+    """Streams ``EngineEvent``s for ``EngineRequest``s from one ``AsyncLLM``.
+
+    Invariant: every stream opens with ``Started`` and ends with exactly one
+    ``Finish``, unless the engine fails (the stream raises); a stream whose
+    consumer goes away (cancellation) aborts its engine request before returning.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        replica_id: str,
+        stream_interval_s: float = 0.0,
+        background_stream_interval_s: float = 0.0,
+    ) -> None:
+        self._engine = engine
+        self.replica_id = replica_id
+        self._stream_interval_s = stream_interval_s
+        self._background_interval_s = background_stream_interval_s
+        self._running: dict[str, _Running] = {}
+        self.tokens_generated = 0
+        self.warmed = (0, 0)  # prefixes run before taking traffic, tokens loaded
+        self.expert_load: ExpertLoadWindow | None = None
+        self._started = 0  # requests (and warmup prefills) begun since has_work
+        self.platform: EnginePlatform | None = None  # as vLLM runs it, once started
+
+    @classmethod
+    def start(
+        cls,
+        config: ClusterConfig,
+        replica_id: str,
+        kv_events_endpoint: str | None,
+        kv_store_socket: str | None = None,
+        group: GroupRank | None = None,
+    ) -> VLLMEngine:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        os.environ.update(engine_env(config.engine))
+        backend = check_platform(config.engine)
+        parallel = None
+        if group is not None:
+            parallel = group.engine_kwargs() | ep_group.gpu_engine_kwargs(config)
+        args = engine_args(
+            config.model.path,
+            config.model.served_name,
+            config.engine,
+            kv_events_endpoint,
+            kv_store_socket,
+            parallel,
+        )
+        engine = AsyncLLM.from_engine_args(args)
+        try:
+            check_started(config.engine, engine.vllm_config)
+        except RuntimeError:
+            engine.shutdown()
+            raise
+        started = cls(
+            engine,
+            replica_id,
+            config.engine.stream_interval_ms / 1000,
+            config.engine.background_stream_interval_ms / 1000,
+        )
+        cache = engine.vllm_config.cache_config
+        started.platform = EnginePlatform(
+            backend,
+            str(engine.vllm_config.model_config.dtype).removeprefix("torch."),
+            cache.block_size,
+            bool(cache.enable_prefix_caching),
+        )
+        logger.info("engine %s: %s", replica_id, started.platform.describe())
+        return started
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
+        from vllm.inputs import TokensPrompt
+
+        rid = request.request_id
+        running = self._running[rid] = _Running(request)
+        self._started += 1
+        completion = 0
+        finished = False
+        try:
+            prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+            if request.tenant:  # tenants never share (or time) cached prefixes
+                prompt["cache_salt"] = request.tenant
+            outputs = self._engine.generate(
+                prompt,
+                sampling_params(request.sampling),
+                rid,
+                priority=int(request.qos),
+            )
+            yield Started(self.replica_id)
+            batcher = DeltaBatcher(
+                self._background_interval_s
+                if request.qos == QoS.BACKGROUND
+                else self._stream_interval_s
+            )
+            clock = asyncio.get_running_loop().time
+            async for out in outputs:
+                seq = out.outputs[0]
+                completion += len(seq.token_ids)
+                running.output_tokens = completion
+                self.tokens_generated += len(seq.token_ids)
+                delta = batcher.add(list(seq.token_ids), seq.text, clock())
+                if delta is not None:
+                    yield delta
+                if out.finished:
+                    finished = True
+                    if (rest := batcher.flush(clock())) is not None:
+                        yield rest
+                    yield Finish(
+                        reason=_finish_reason(seq.finish_reason),
+                        prompt_tokens=len(request.prompt_token_ids),
+                        completion_tokens=completion,
+                        cached_tokens=out.num_cached_tokens or 0,
+                        replica_id=self.replica_id,
+                    )
+        finally:
+            self._running.pop(rid, None)
+            if not finished:
+                # Consumer cancelled or closed the stream: free the engine slot.
+                await self._engine.abort(rid)
+
+    async def abort(self, request_id: str) -> None:
+        await self._engine.abort(request_id)
+
+    async def prefill(
+        self, tokens: list[int] | None = None, text: str = "", tenant: str = ""
+    ) -> int:
+        """Runs a prompt for one token so its pages are loaded (or computed and
+        saved); returns how many of its tokens came from cache."""
+        from vllm import SamplingParams
+        from vllm.inputs import TextPrompt, TokensPrompt
+
+        prompt: Any = (
+            TokensPrompt(prompt_token_ids=tokens) if tokens else TextPrompt(prompt=text)
+        )
+        if tenant:
+            prompt["cache_salt"] = tenant
+        self._started += 1
+        cached = 0
+        async for out in self._engine.generate(
+            prompt,
+            SamplingParams(max_tokens=1),
+            f"warmup-{uuid.uuid4().hex}",
+            priority=int(QoS.BACKGROUND),
+        ):
+            if out.finished:
+                cached = out.num_cached_tokens or 0
+        return cached
+
+    async def warm(
+        self, prompts: list[tuple[list[int] | None, str, str]], timeout_s: float
+    ) -> None:
+        """Prefills (token ids or text, tenant) prompts before the replica takes
+        traffic; ``warmed`` records how many ran and the tokens they loaded."""
+        if not prompts:
+            return
+        t = time.monotonic()
+        jobs = [self.prefill(ids, text, tenant) for ids, text, tenant in prompts]
+        try:
+            cached = await asyncio.wait_for(asyncio.gather(*jobs), timeout_s)
+        except TimeoutError:
+            logger.warning("warmup cut short after %.0f s", timeout_s)
+            return
+        self.warmed = (len(jobs), sum(cached))
+        logger.info(
+            "warmed %d prefixes (%d tokens from the page store) in %.2f s",
+            len(jobs),
+            sum(cached),
+            time.monotonic() - t,
+        )
+
+    async def check_health(self) -> None:
+        """Raises when the engine core is dead."""
+        await self._engine.check_health()
+
+    async def measure_expert_load(self, window_s: float) -> None:
+        """Hooks the workers' MoE routers and keeps a rolling window of their
+        counts (see ``expert_load``); returns once the hooks are in."""
+        [(layers, experts), *_] = await self._engine.collective_rpc(
+            "moe_expert_load_install"
+        )
+        if layers:
+            self.expert_load = ExpertLoadWindow(tuple(layers), experts, window_s)
+
+    async def poll_expert_load(self) -> None:
+        """Adds the workers' counts since the last poll to the window."""
+        if self.expert_load is None:
+            return
+        [counts, *_] = await self._engine.collective_rpc("moe_expert_load_take")
+        self.expert_load.add(time.monotonic(), counts)
+
+    def has_work(self) -> bool:
+        """Whether a request has run since the last call (or still runs)."""
+        started, self._started = self._started, 0
+        return started > 0 or self._engine.get_num_unfinished_requests() > 0
+
+    def expert_load_snapshot(self) -> ExpertLoad | None:
+        if self.expert_load is None:
+            return None
+        return self.expert_load.snapshot(time.monotonic())
+
+    def stats(self, node_id: str = "", group: GroupRank | None = None) -> EngineStats:
+        """What the engine holds and runs with, on ``node_id``, as ``group``'s rank."""
+        p = self.platform
+        return EngineStats(
+            replica_id=self.replica_id,
+            running=self._engine.get_num_unfinished_requests(),
+            request_ids=tuple(sorted(self._running)),
+            pid=os.getpid(),
+            warmed_prefixes=self.warmed[0],
+            warmed_cached_tokens=self.warmed[1],
+            node_id=node_id,
+            group=group.group_id if group else "",
+            rank=group.rank if group else 0,
+            group_size=group.size if group else 1,
+            attention_backend=p.backend.value if p else "",
+            dtype=p.dtype if p else "",
+            block_size=p.block_size if p else 0,
+            prefix_caching=p.prefix_caching if p else False,
+        )
+
+    def progress(self) -> tuple[RequestProgress, ...]:
+        return tuple(
+            RequestProgress(
+                rid,
+                len(r.request.prompt_token_ids),
+                r.output_tokens,
+                r.request.sampling.max_tokens,
+                r.request.qos,
+            )
+            for rid, r in self._running.items()
+        )
+
+    def shutdown(self) -> None:
+        self._engine.shutdown()
+
+
+def _finish_reason(reason: str | None) -> Any:
+    # vLLM says "stop" for EOS/stop strings, "length" for max_tokens, "abort".
+    return reason if reason in ("stop", "length", "abort") else "stop"

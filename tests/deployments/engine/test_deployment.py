@@ -1,0 +1,103 @@
+"""The engine deployment's own logic, on a scripted engine and no cluster."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, ClassVar
+
+import pytest
+
+from cluster.config import ClusterConfig
+from deployments.engine.deployment import EXIT_DELAY_S, EngineServer, Placement
+from deployments.engine.vllm_engine import VLLMEngine
+from deployments.protocol import EngineRequest, Sampling, Started
+from tests.deployments.engine.fakes import FakeAsyncLLM, Step
+
+HERE = Placement("replica-a", "node-1")
+
+
+def config(**sections: Any) -> ClusterConfig:
+    base: dict[str, Any] = {"router": {"enabled": False}, "kvstore": {"enabled": False}}
+    return ClusterConfig.model_validate(base | sections)
+
+
+class ScriptedEngine(VLLMEngine):
+    """``VLLMEngine`` on a ``FakeAsyncLLM``; ``started`` records each start."""
+
+    llm = FakeAsyncLLM()
+    started: ClassVar[list[tuple[Any, ...]]] = []
+
+    @classmethod
+    def start(cls, config: Any, replica_id: str, *args: Any) -> VLLMEngine:
+        cls.started.append((replica_id, *args))
+        return cls(cls.llm, replica_id)  # type: ignore[arg-type]
+
+
+async def start(cfg: ClusterConfig, llm: FakeAsyncLLM, **kw: Any) -> EngineServer:
+    ScriptedEngine.llm, ScriptedEngine.started = llm, []
+    server = EngineServer.__new__(EngineServer)  # as Serve builds it
+    await server.__init__(cfg, engine_cls=ScriptedEngine, placement=HERE, **kw)  # type: ignore[misc]
+    return server
+
+
+async def test_without_router_or_store_the_engine_starts_alone() -> None:
+    llm = FakeAsyncLLM()
+    server = await start(config(), llm)
+    # No KV event endpoint, no page store socket, no EP group.
+    assert ScriptedEngine.started == [("replica-a", None, None, None)]
+    assert server._tasks == []
+    stats = await server.stats()
+    assert (stats.replica_id, stats.node_id, stats.group) == ("replica-a", "node-1", "")
+    server.__del__()
+    assert llm.shut_down
+
+
+async def test_expert_load_is_installed_and_polled_only_while_there_is_work() -> None:
+    llm = FakeAsyncLLM([Step([1], finish="length")])
+    cfg = config(
+        engine={"measure_expert_load": True, "enforce_eager": True},
+        router={"enabled": False, "report_interval_s": 0.05},
+    )
+    server = await start(cfg, llm)
+    assert ("collective_rpc", "moe_expert_load_install") in llm.calls
+
+    def polls() -> int:
+        return llm.calls.count(("collective_rpc", "moe_expert_load_take"))
+
+    await asyncio.sleep(0.3)
+    assert polls() == 0  # idle: the workers are left asleep
+    req = EngineRequest("r1", (1, 2, 3), Sampling(max_tokens=1))
+    assert [e async for e in server.generate(req)]
+    await asyncio.sleep(0.3)
+    assert polls() >= 1  # the request's counts, once after it ran
+    settled = polls()
+    await asyncio.sleep(0.3)
+    assert polls() == settled
+    for task in server._tasks:
+        task.cancel()
+
+
+async def test_a_dead_engine_fails_the_stream_then_exits_the_replica() -> None:
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    llm = FakeAsyncLLM([Step([1]), Step([2])], fail_after=1, failure=EngineDeadError())
+    exits: list[int] = []
+    server = await start(config(), llm, exit_process=exits.append)
+    req = EngineRequest("r1", (1, 2, 3), Sampling(max_tokens=4))
+    seen = []
+    with pytest.raises(EngineDeadError):
+        async for event in server.generate(req):
+            seen.append(event)
+    assert isinstance(seen[0], Started)
+    assert exits == []  # the error reaches the caller first
+    await asyncio.sleep(EXIT_DELAY_S + 0.2)
+    assert exits == [1]
+
+
+async def test_an_ep_config_outside_a_gang_is_refused_before_the_engine_starts() -> (
+    None
+):
+    cfg = config(expert_parallel={"ranks": 2})
+    with pytest.raises(RuntimeError, match="gang-scheduled"):
+        await start(cfg, FakeAsyncLLM())
+    assert ScriptedEngine.started == []

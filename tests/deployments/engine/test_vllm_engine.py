@@ -1,0 +1,122 @@
+import asyncio
+
+import pytest
+
+from cluster.platform import Backend, EnginePlatform
+from cluster.qos import QoS
+from deployments.engine.vllm_engine import VLLMEngine
+from deployments.ep.group import GroupRank
+from deployments.protocol import EngineRequest, Finish, Sampling, Started, TokenDelta
+from tests.deployments.engine.fakes import FakeAsyncLLM, Step
+
+STEPS = [Step([5], "a"), Step([6, 7], "bc"), Step([8], "d", finish="length", cached=16)]
+
+
+def request(rid: str = "r1", qos: QoS = QoS.NORMAL, tenant: str = "") -> EngineRequest:
+    return EngineRequest(
+        request_id=rid,
+        prompt_token_ids=tuple(range(20)),
+        sampling=Sampling(max_tokens=4, temperature=0.5, stop=("x",)),
+        qos=qos,
+        tenant=tenant,
+    )
+
+
+async def collect(engine: VLLMEngine, req: EngineRequest) -> list[object]:
+    return [event async for event in engine.generate(req)]
+
+
+async def test_a_stream_opens_with_started_and_ends_with_one_finish() -> None:
+    llm = FakeAsyncLLM(STEPS)
+    engine = VLLMEngine(llm, "replica-a")  # type: ignore[arg-type]
+    events = await collect(engine, request(qos=QoS.REALTIME, tenant="acme"))
+
+    assert events[0] == Started("replica-a")
+    deltas = [e for e in events if isinstance(e, TokenDelta)]
+    assert [t for d in deltas for t in d.token_ids] == [5, 6, 7, 8]
+    assert "".join(d.text for d in deltas) == "abcd"
+    assert events[-1] == Finish("length", 20, 4, 16, "replica-a")
+    assert sum(isinstance(e, Finish) for e in events) == 1
+    prompt, params, rid, priority = llm.calls[0]
+    # The tenant salts the prefix cache; the class is vLLM's priority.
+    assert prompt["cache_salt"] == "acme"
+    assert prompt["prompt_token_ids"] == list(range(20))
+    assert (rid, priority) == ("r1", int(QoS.REALTIME))
+    assert (params.max_tokens, params.temperature, params.stop) == (4, 0.5, ["x"])
+    assert engine.tokens_generated == 4 and not llm.aborted
+
+
+async def test_a_consumer_that_goes_away_aborts_its_engine_request() -> None:
+    hold = asyncio.Event()
+    llm = FakeAsyncLLM(STEPS, hold=hold)
+    engine = VLLMEngine(llm, "replica-a")  # type: ignore[arg-type]
+    stream = engine.generate(request("gone"))
+    assert isinstance(await anext(stream), Started)
+    assert isinstance(await anext(stream), TokenDelta)
+    assert engine.stats().request_ids == ("gone",)
+    await stream.aclose()
+    assert llm.aborted == ["gone"]
+    assert engine.stats().request_ids == ()
+
+
+async def test_an_engine_failure_raises_out_of_the_stream_without_a_finish() -> None:
+    llm = FakeAsyncLLM(STEPS, fail_after=1, failure=RuntimeError("engine core died"))
+    engine = VLLMEngine(llm, "replica-a")  # type: ignore[arg-type]
+    seen: list[object] = []
+    with pytest.raises(RuntimeError, match="engine core died"):
+        async for event in engine.generate(request()):
+            seen.append(event)
+    assert not any(isinstance(e, Finish) for e in seen)
+
+
+async def test_vllm_finish_reasons_map_onto_the_protocol_ones() -> None:
+    for vllm_reason, ours in [("stop", "stop"), ("abort", "abort"), ("eos", "stop")]:
+        llm = FakeAsyncLLM([Step([1], finish=vllm_reason)])
+        engine = VLLMEngine(llm, "a")  # type: ignore[arg-type]
+        finish = (await collect(engine, request()))[-1]
+        assert isinstance(finish, Finish) and finish.reason == ours
+
+
+async def test_stats_are_assembled_once_from_the_engine_its_node_and_group() -> None:
+    engine = VLLMEngine(FakeAsyncLLM(), "replica-a")  # type: ignore[arg-type]
+    assert engine.stats().attention_backend == ""  # not started: nothing read back
+    engine.platform = EnginePlatform(Backend.CPU_MLA, "float32", 16, False)
+    engine.warmed = (2, 32)
+    group = GroupRank("g1", 1, 2, "10.0.0.1", 4242)
+    stats = engine.stats("node-1", group)
+    assert (stats.replica_id, stats.node_id) == ("replica-a", "node-1")
+    assert (stats.group, stats.rank, stats.group_size) == ("g1", 1, 2)
+    assert (stats.attention_backend, stats.dtype, stats.block_size) == (
+        "CPU_MLA",
+        "float32",
+        16,
+    )
+    assert (stats.warmed_prefixes, stats.warmed_cached_tokens) == (2, 32)
+
+
+async def test_has_work_covers_requests_begun_since_the_last_call() -> None:
+    engine = VLLMEngine(FakeAsyncLLM(STEPS), "a")  # type: ignore[arg-type]
+    assert not engine.has_work()
+    await collect(engine, request())
+    assert engine.has_work()  # it ran and finished since the last call
+    assert not engine.has_work()
+
+
+async def test_expert_load_is_polled_into_a_window_per_layer() -> None:
+    llm = FakeAsyncLLM()
+    engine = VLLMEngine(llm, "a")  # type: ignore[arg-type]
+    await engine.measure_expert_load(60)
+    await engine.poll_expert_load()
+    load = engine.expert_load_snapshot()
+    assert load is not None and load.layers == (1, 2)
+    assert load.per_expert() == [1, 2, 2, 3]
+
+
+async def test_warmup_records_what_it_loaded_and_runs_as_background() -> None:
+    llm = FakeAsyncLLM([Step([1], finish="length", cached=32)])
+    engine = VLLMEngine(llm, "a")  # type: ignore[arg-type]
+    await engine.warm([([1, 2, 3], "", "t1"), (None, "hello", "")], timeout_s=5)
+    assert engine.warmed == (2, 64)
+    prompts = [c[0] for c in llm.calls]
+    assert prompts[0]["cache_salt"] == "t1" and prompts[1]["prompt"] == "hello"
+    assert {c[3] for c in llm.calls} == {int(QoS.BACKGROUND)}
