@@ -21,13 +21,14 @@ import os
 import socket
 import struct
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from kvstore.block_hash import BlockHash
-from kvstore.node_store import MissHook, NodeStore
+from kvstore.node_store import ArenaInfo, MissHook, NodeStore
 
 logger = logging.getLogger("moe_cluster.kvstore")
 
@@ -37,6 +38,43 @@ MAX_FRAME = 64 << 20
 
 class StoreError(Exception):
     """The store refused a call or could not be reached."""
+
+
+# What crosses the socket, by name. ``array_like``: each is a msgpack array on
+# the wire, in field order.
+
+
+class PageRef(msgspec.Struct, array_like=True, frozen=True):
+    """A stored page pinned for a request: its slot in the arena, its name and
+    the checksum its bytes must have."""
+
+    slot: int
+    page_hash: bytes
+    checksum: int
+
+
+class Found(msgspec.Struct, array_like=True, frozen=True):
+    """``lookup``'s answer: the pinned run of pages, or ``pending`` when another
+    node's pages are being fetched (ask again), and the arena the slots are in."""
+
+    refs: list[PageRef]
+    pending: bool
+    arena: str
+
+
+class Reserved(msgspec.Struct, array_like=True, frozen=True):
+    """``reserve``'s answer: a slot to write per page (``None``: stored already, or
+    no room), in ``arena``."""
+
+    slots: list[int | None]
+    arena: str
+
+
+class Written(msgspec.Struct, array_like=True, frozen=True):
+    """A reserved slot, written, with its bytes' checksum (``commit``)."""
+
+    slot: int
+    checksum: int
 
 
 @dataclass
@@ -114,11 +152,11 @@ class StoreServer:
                 lease, hashes, salt, tokens, block_size, self._on_miss, skip
             )
             if refs is None:  # being fetched: asked again once the pages are here
-                return [[], True, self._arena_name()]
+                return Found([], True, self._arena_name())
             if refs:
                 conn.leases.add(lease)
-            refs_out = [[r.index, r.page_hash, r.checksum] for r in refs]
-            return [refs_out, False, self._arena_name()]
+            pinned = [PageRef(r.index, r.page_hash, r.checksum) for r in refs]
+            return Found(pinned, False, self._arena_name())
         if method == "release":
             for lease in args:
                 s.release(lease)
@@ -127,9 +165,9 @@ class StoreServer:
         if method == "reserve":
             slots = s.reserve([BlockHash(h) for h in args[0]])
             conn.reserved.update(x for x in slots if x is not None)
-            return [slots, self._arena_name()]
+            return Reserved(slots, self._arena_name())
         if method == "commit":
-            written = [(int(slot), int(crc)) for slot, crc in args[0]]
+            written = [(w.slot, w.checksum) for w in msgspec.convert(args[0], _WRITTEN)]
             s.commit(written)
             conn.reserved.difference_update(slot for slot, _ in written)
             return None
@@ -155,8 +193,14 @@ class StoreServer:
             self.store.abandon(conn.reserved)
 
 
+_WRITTEN = list[Written]
+
+
 class StoreClient:
-    """Blocking client for engine processes; one call at a time per client."""
+    """Blocking client for engine processes; one call at a time per client.
+
+    ``call`` is the raw transport; the named methods are the calls engines make,
+    with their answers typed."""
 
     def __init__(self, path: str, timeout_s: float = 5.0) -> None:
         self.path, self._timeout = path, timeout_s
@@ -187,6 +231,41 @@ class StoreClient:
         if not ok:
             raise StoreError(result)
         return result
+
+    def open(self, page_bytes: int, layout: str) -> ArenaInfo:
+        name, num_pages, arena_bytes = self.call("open", page_bytes, layout)
+        return ArenaInfo(str(name), int(num_pages), int(arena_bytes))
+
+    def lookup(
+        self,
+        lease: str,
+        hashes: Sequence[bytes],
+        salt: str,
+        tokens: Sequence[int],
+        block_size: int,
+        skip: int,
+    ) -> Found:
+        """Pins, under ``lease``, the longest stored run of ``hashes`` past the
+        first ``skip`` (those the engine holds itself)."""
+        answer = self.call(
+            "lookup", lease, list(hashes), salt, list(tokens), block_size, skip
+        )
+        return msgspec.convert(answer, Found)
+
+    def release(self, *leases: str) -> None:
+        self.call("release", *leases)
+
+    def reserve(self, hashes: Sequence[bytes]) -> Reserved:
+        return msgspec.convert(self.call("reserve", list(hashes)), Reserved)
+
+    def commit(self, written: Sequence[Written]) -> None:
+        self.call("commit", list(written))
+
+    def abandon(self, slots: Sequence[int]) -> None:
+        self.call("abandon", list(slots))
+
+    def drop(self, hashes: Sequence[bytes]) -> None:
+        self.call("drop", list(hashes))
 
     def close(self) -> None:
         with self._lock:

@@ -12,7 +12,11 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ["cluster", "kvstore", "router", "deployments"]  # each may import those before
 # The one module vLLM loads into its own processes (the KV connector). Engine-side
 # code elsewhere imports vLLM inside the functions that run with the engine.
-ENGINE_SIDE = {"kvstore/connector.py"}
+ENGINE_SIDE = {
+    "kvstore/connector.py",
+    "kvstore/connector_worker.py",
+    "kvstore/page_layer.py",
+}
 
 
 def _imports(path: Path, top_level: bool = False) -> set[str]:

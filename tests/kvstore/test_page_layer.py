@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.connector import PageLayer
+from kvstore.page_layer import PageLayer
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -35,3 +35,29 @@ def test_save_then_load_moves_exactly_one_block(
     others = [b for b in range(shape[block_dim]) if b != 5]
     for b in others:
         assert torch.equal(cache.select(block_dim, b), before.select(block_dim, b))
+
+
+def test_the_block_axis_is_vllms_first_even_with_two_blocks() -> None:
+    # Two blocks of two-token blocks: every leading axis has size 2, so only
+    # vLLM's layout (blocks first) says which one indexes blocks.
+    cache = torch.arange(2 * 2 * 2 * 3, dtype=torch.float32).reshape(2, 2, 2, 3)
+    layer = PageLayer.of_vllm_cache("l0", cache, num_blocks=2, offset=0)
+    assert layer.block_dim == 0 and layer.shape == (2, 2, 3)
+    page = np.zeros(layer.nbytes, dtype=np.uint8)
+    layer.save(page, 1)
+    assert np.array_equal(page.view(np.float32), cache[1].reshape(-1).numpy())
+
+
+def test_kernel_blocks_are_grouped_into_the_schedulers_blocks() -> None:
+    # 3 scheduler blocks, each split into 2 kernel blocks of 4 tokens.
+    cache = torch.randn(6, 4, 8)
+    layer = PageLayer.of_vllm_cache("l0", cache, num_blocks=3, offset=0)
+    assert layer.shape == (2, 4, 8)
+    page = np.zeros(layer.nbytes, dtype=np.uint8)
+    layer.save(page, 2)
+    assert np.array_equal(page.view(np.float32), cache[4:6].reshape(-1).numpy())
+
+
+def test_a_cache_that_does_not_start_with_its_blocks_is_refused() -> None:
+    with pytest.raises(ValueError, match="does not start with its 4 blocks"):
+        PageLayer.of_vllm_cache("l0", torch.zeros(2, 4, 16), num_blocks=4, offset=0)

@@ -1,0 +1,187 @@
+"""The connector's scheduler side (vLLM's engine-core process): which stored pages
+a request loads, and which of its blocks each step saves.
+
+``get_num_new_matched_tokens`` asks the store for the longest stored run of the
+prompt's full blocks past those the engine's own prefix cache holds (always
+leaving one prompt token to compute) and pins those pages under the request's id:
+a caching engine is offered, and the store counts, only what it adds. When another
+node holds more of the prefix, the store starts fetching it and the request waits
+a step or two (``None``) instead of recomputing. ``plan_step`` lists, per step,
+the pages to load into the blocks just allocated and the blocks that this step
+completes, to save.
+
+No torch and no vLLM imports: vLLM's ``Request`` and block objects are used by
+their attributes only, so the unit tests drive this class with plain stand-ins.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
+
+import msgspec
+
+from kvstore.rpc import PageRef, StoreClient, StoreError
+
+logger = logging.getLogger("moe_cluster.kvstore")
+
+
+class PageLoad(msgspec.Struct, array_like=True, frozen=True):
+    """Copy the page in ``slot`` (whose bytes must checksum to ``checksum``) into
+    the engine's block ``block_id``."""
+
+    slot: int
+    checksum: int
+    page_hash: bytes
+    block_id: int
+
+
+class PageSave(msgspec.Struct, array_like=True, frozen=True):
+    """Save the engine's block ``block_id`` as the page ``page_hash``."""
+
+    page_hash: bytes
+    block_id: int
+
+
+class Loads(msgspec.Struct, array_like=True, frozen=True):
+    """One request's pages to load, all in ``arena``."""
+
+    arena: str
+    pages: list[PageLoad]
+
+
+class StoreRequest(Protocol):
+    """What the scheduler side reads of vLLM's ``Request``."""
+
+    request_id: str
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    block_hashes: Sequence[bytes]
+    cache_salt: str | None
+    prompt_token_ids: Sequence[int] | None
+
+
+class StoreScheduler:
+    def __init__(
+        self,
+        client: StoreClient,
+        block_size: int,
+        warn: Callable[[Exception], None],
+    ) -> None:
+        self._client, self._block_size, self._warn = client, block_size, warn
+        self._requests: dict[str, StoreRequest] = {}
+        # Pinned for a request not yet allocated: (blocks skipped, refs, arena).
+        self._found: dict[str, tuple[int, list[PageRef], str]] = {}
+        self._to_load: dict[str, Loads] = {}
+        self._saved: dict[str, int] = {}  # full blocks already handed to the store
+
+    def on_new_request(self, request: StoreRequest) -> None:
+        self._requests[request.request_id] = request
+
+    def get_num_new_matched_tokens(
+        self, request: StoreRequest, num_computed_tokens: int
+    ) -> int | None:
+        rid, b = request.request_id, self._block_size
+        full = (request.num_prompt_tokens - 1) // b  # one prompt token is computed
+        hashes = request.block_hashes[:full]
+        skip = num_computed_tokens // b
+        found = self._found.get(rid)
+        if found is not None and found[0] == skip:
+            # Asked again while the request waits for room: its pages are still
+            # pinned for it.
+            return len(found[1]) * b
+        self._drop_found(rid)
+        if not hashes:
+            return 0
+        # Asked even when the engine holds every block: the store counts the
+        # reuse towards the hot prefixes new replicas warm up with.
+        try:
+            answer = self._client.lookup(
+                rid,
+                hashes,
+                request.cache_salt or "",
+                (request.prompt_token_ids or [])[: full * b],
+                b,
+                skip,
+            )
+        except StoreError as e:
+            self._warn(e)
+            return 0
+        if answer.pending:
+            return None  # another node's pages are on their way
+        if not answer.refs:
+            return 0
+        self._found[rid] = (skip, answer.refs, answer.arena)
+        return len(answer.refs) * b
+
+    def update_state_after_alloc(
+        self, request: StoreRequest, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        """``block_ids``: the request's blocks (its first KV cache group's)."""
+        rid = request.request_id
+        found = self._found.pop(rid, None)
+        if found is None:
+            return
+        if num_external_tokens == 0:
+            self._release(rid)
+            return
+        skip, refs, arena = found
+        # refs[i] is the prompt's block skip + i (the engine holds the first skip).
+        self._to_load[rid] = Loads(
+            arena,
+            [
+                PageLoad(r.slot, r.checksum, r.page_hash, block_ids[skip + i])
+                for i, r in enumerate(refs)
+            ],
+        )
+        self._saved[rid] = max(self._saved.get(rid, 0), skip + len(refs))
+
+    def plan_step(
+        self,
+        num_scheduled_tokens: Mapping[str, int],
+        block_ids_of: Callable[[str], Sequence[int]] | None,
+    ) -> tuple[dict[str, Loads], list[PageSave]]:
+        """This step's loads (taken: each is planned once) and saves."""
+        loads, self._to_load = self._to_load, {}
+        saves: list[PageSave] = []
+        b = self._block_size
+        for rid, n in num_scheduled_tokens.items():
+            req = self._requests.get(rid)
+            if req is None or block_ids_of is None:
+                continue
+            # Blocks whose every token is in the cache once this step has run.
+            done = min(len(req.block_hashes), (req.num_computed_tokens + n) // b)
+            # A block that failed to load is recomputed (num_computed_tokens moved
+            # back), and saved again.
+            start = min(self._saved.get(rid, 0), req.num_computed_tokens // b)
+            if done <= start:
+                continue
+            block_ids = block_ids_of(rid)
+            saves += [
+                PageSave(req.block_hashes[i], block_ids[i]) for i in range(start, done)
+            ]
+            self._saved[rid] = done
+        return loads, saves
+
+    def request_finished(self, request: StoreRequest) -> None:
+        rid = request.request_id
+        self._drop_found(rid)
+        if self._to_load.pop(rid, None) is not None:
+            self._release(rid)
+        self._requests.pop(rid, None)
+        self._saved.pop(rid, None)
+
+    def pinned(self) -> set[str]:
+        """Requests holding pages pinned in the store (found or to load)."""
+        return set(self._found) | set(self._to_load)
+
+    def _drop_found(self, rid: str) -> None:
+        if self._found.pop(rid, None) is not None:
+            self._release(rid)
+
+    def _release(self, rid: str) -> None:
+        try:
+            self._client.release(rid)
+        except StoreError as e:
+            self._warn(e)

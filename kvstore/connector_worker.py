@@ -1,0 +1,219 @@
+"""The connector's worker side (vLLM's model-runner process), with the arena mapped.
+
+``start_load`` checks each page's checksum in place and copies it into the
+request's blocks before the forward pass; a page that fails is dropped from the
+store and its blocks (and every later one of the request) are reported to vLLM,
+which recomputes them. ``save`` copies the blocks completed this step into
+reserved pages; a background thread checksums and publishes them, so the step
+waits only for the copy. On CUDA the arena is registered as pinned memory and
+both copies run on a side stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from kvstore.arena import Arena, checksum
+from kvstore.connector_scheduler import Loads, PageSave
+from kvstore.page_layer import PageLayer
+from kvstore.rpc import StoreClient, StoreError, Written
+
+logger = logging.getLogger("moe_cluster.kvstore")
+
+
+class StoreWorker:
+    def __init__(
+        self,
+        client: StoreClient,
+        num_blocks: int,
+        model: str,
+        block_size: int,
+        warn: Callable[[Exception], None],
+    ) -> None:
+        self._client, self._num_blocks, self._warn = client, num_blocks, warn
+        self._model, self._block_size = model, block_size  # named in the layout
+        self._layers: list[PageLayer] = []
+        self._arena: Arena | None = None
+        self._registered: torch.Tensor | None = None  # the arena, page-locked (CUDA)
+        self._page_bytes, self._layout = 0, ""
+        # Arenas of a store that restarted: still mapped until shutdown, as a
+        # commit in flight may read them.
+        self._retired: list[Arena] = []
+        self._load_errors: set[int] = set()
+        self._stream: Any = None
+        # (arena, slots written, CUDA event marking the copies done) to checksum
+        # and publish
+        self._commits: queue.Queue[tuple[Arena, list[int], Any] | None] = queue.Queue()
+        self._committer: threading.Thread | None = None
+
+    @property
+    def layers(self) -> list[PageLayer]:
+        return self._layers
+
+    def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        offset = 0
+        for name, cache in kv_caches.items():
+            layer = PageLayer.of_vllm_cache(name, cache, self._num_blocks, offset)
+            self._layers.append(layer)
+            offset += layer.nbytes
+        first = next(iter(kv_caches.values()))
+        self._page_bytes = offset
+        # Engines share a store only with pages of the same layout.
+        self._layout = (
+            f"{self._model}|{first.dtype}|block {self._block_size}|"
+            + ",".join(f"{x.shape}" for x in self._layers)
+        )
+        if first.is_cuda:
+            self._stream = torch.cuda.Stream(device=first.device)  # type: ignore[no-untyped-call]
+        self._attach(at_start=True)
+        self._committer = threading.Thread(
+            target=self._commit_loop, name="kvstore-commit", daemon=True
+        )
+        self._committer.start()
+
+    def _attach(self, at_start: bool = False) -> str:
+        """Maps the store's current arena: at start, and when the store restarted
+        (its answers then name another arena). Returns the arena's name, or ""
+        when the store cannot be reached (at start, that is an error: so is an
+        engine whose pages differ from those of the store)."""
+        try:
+            info = self._client.open(self._page_bytes, self._layout)
+        except StoreError as e:
+            if at_start:
+                raise
+            self._warn(e)
+            return ""
+        if self._arena is not None:
+            if self._arena.name == info.name:
+                return info.name
+            logger.warning("page store restarted: mapping its new arena %s", info.name)
+            self._unregister_arena()
+            self._retired.append(self._arena)
+        self._arena = Arena.attach(info.name, info.num_pages, info.page_bytes)
+        if self._stream is not None:
+            # Page-locked arena: host<->device copies run asynchronously by DMA.
+            pages = torch.from_numpy(self._arena.pages())
+            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+            cudart.cudaHostRegister(pages.data_ptr(), pages.numel(), 0)
+            self._registered = pages
+        logger.info(
+            "page store: %d pages of %d bytes (%d layers) in %s",
+            info.num_pages,
+            info.page_bytes,
+            len(self._layers),
+            info.name,
+        )
+        return info.name
+
+    def _unregister_arena(self) -> None:
+        if self._registered is not None:
+            torch.cuda.cudart().cudaHostUnregister(  # type: ignore[no-untyped-call]
+                self._registered.data_ptr()
+            )
+        self._registered = None
+
+    def _arena_is(self, name: str) -> bool:
+        """Whether ``name`` is (after re-attaching if needed) the mapped arena."""
+        if self._arena is not None and self._arena.name == name:
+            return True
+        return bool(name) and self._attach() == name
+
+    def start_load(self, loads: Mapping[str, Loads]) -> None:
+        if self._stream is not None:
+            # Saves of the last step read blocks this step may overwrite.
+            torch.cuda.current_stream().wait_stream(self._stream)
+        if not loads:
+            return
+        bad: list[bytes] = []
+        for request in loads.values():
+            pages = request.pages
+            if not self._arena_is(request.arena):
+                # The store restarted between lookup and load: recompute.
+                self._load_errors.update(p.block_id for p in pages)
+                continue
+            assert self._arena is not None
+            for i, p in enumerate(pages):
+                page = self._arena.page(p.slot)
+                if checksum(page) != p.checksum:
+                    # Never serve it: this block and the rest of the prefix are
+                    # recomputed by vLLM.
+                    bad.append(p.page_hash)
+                    self._load_errors.update(q.block_id for q in pages[i:])
+                    break
+                for layer in self._layers:
+                    layer.load(page, p.block_id, non_blocking=self._stream is not None)
+        if self._stream is not None:
+            torch.cuda.current_stream().synchronize()  # loaded before the forward
+        try:
+            if bad:
+                logger.warning("page store: %d corrupt pages dropped", len(bad))
+                self._client.drop(bad)
+            self._client.release(*loads)
+        except StoreError as e:
+            self._warn(e)
+
+    def save(self, saves: Sequence[PageSave]) -> None:
+        if not saves or not self._layers:
+            return
+        try:
+            reserved = self._client.reserve([s.page_hash for s in saves])
+            if not self._arena_is(reserved.arena):
+                self._client.abandon([x for x in reserved.slots if x is not None])
+                return
+        except StoreError as e:
+            # A store that restarted has no arena until an engine opens it.
+            self._warn(e)
+            self._attach()
+            return
+        assert self._arena is not None
+        written = []
+        stream = self._stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            for slot, s in zip(reserved.slots, saves, strict=True):
+                if slot is None:
+                    continue  # stored already (or the store is full of pinned pages)
+                page = self._arena.page(slot)
+                for layer in self._layers:
+                    layer.save(page, s.block_id, non_blocking=stream is not None)
+                written.append(slot)
+        if written:
+            event = None
+            if stream is not None:
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(stream)
+            self._commits.put((self._arena, written, event))
+
+    def _commit_loop(self) -> None:
+        """Checksums saved pages and publishes them, off the engine's step."""
+        while (item := self._commits.get()) is not None:
+            arena, slots, event = item
+            if event is not None:
+                event.synchronize()
+            done = [Written(s, checksum(arena.page(s))) for s in slots]
+            try:
+                self._client.commit(done)
+            except StoreError as e:
+                self._warn(e)
+
+    def load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._committer is not None:
+            self._commits.put(None)
+            self._committer.join(timeout=5)
+        self._unregister_arena()
+        self._layers = []
+        for arena in [*self._retired, *([self._arena] if self._arena else [])]:
+            arena.close()
+        self._arena, self._retired = None, []

@@ -1,0 +1,165 @@
+"""The connector's scheduler side on a scripted store: what a request loads, what
+each step saves, and that every pin is given back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from kvstore.connector_scheduler import Loads, PageLoad, PageSave, StoreScheduler
+from kvstore.rpc import Found, PageRef, StoreError
+
+B = 4  # tokens per block
+H = [bytes([i]) * 32 for i in range(8)]
+
+
+@dataclass
+class ScriptedStore:
+    """Answers ``lookup`` with the stored run of the hashes asked past ``skip``."""
+
+    stored: list[bytes] = field(default_factory=list)
+    pending: bool = False
+    down: bool = False
+    calls: list[tuple[Any, ...]] = field(default_factory=list)
+
+    def lookup(
+        self, lease: str, hashes: Any, salt: str, tokens: Any, b: int, skip: int
+    ) -> Found:
+        self.calls.append(("lookup", lease, tuple(hashes), salt, skip))
+        if self.down:
+            raise StoreError("store is gone")
+        if self.pending:
+            return Found([], True, "arena-1")
+        refs = []
+        for i, h in enumerate(hashes[skip:]):
+            if h not in self.stored:
+                break
+            refs.append(PageRef(100 + skip + i, h, 7 + i))
+        return Found(refs, False, "arena-1")
+
+    def release(self, *leases: str) -> None:
+        self.calls.append(("release", *leases))
+
+
+@dataclass
+class Req:
+    request_id: str
+    num_prompt_tokens: int
+    block_hashes: list[bytes]
+    num_computed_tokens: int = 0
+    cache_salt: str | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+def scheduler(store: ScriptedStore) -> tuple[StoreScheduler, list[Exception]]:
+    warnings: list[Exception] = []
+    return StoreScheduler(store, B, warnings.append), warnings  # type: ignore[arg-type]
+
+
+def released(store: ScriptedStore) -> list[str]:
+    return [c[1] for c in store.calls if c[0] == "release"]
+
+
+def test_stored_blocks_are_offered_leaving_one_prompt_token_to_compute() -> None:
+    store = ScriptedStore(stored=H[:4])
+    s, _ = scheduler(store)
+    # 16 tokens = 4 full blocks, but the last token is computed: 3 are offered.
+    req = Req("r1", 4 * B, H[:4], prompt_token_ids=list(range(16)), cache_salt="t")
+    assert s.get_num_new_matched_tokens(req, 0) == 3 * B
+    assert store.calls[0] == ("lookup", "r1", tuple(H[:3]), "t", 0)
+    # Asked again while it waits for room: no second lookup, same answer.
+    assert s.get_num_new_matched_tokens(req, 0) == 3 * B
+    assert len(store.calls) == 1
+
+
+def test_only_what_the_engines_own_cache_lacks_is_loaded() -> None:
+    store = ScriptedStore(stored=H[:4])
+    s, _ = scheduler(store)
+    req = Req("r1", 5 * B, H[:5])
+    # The engine holds the first block itself: the store offers blocks 1..3.
+    assert s.get_num_new_matched_tokens(req, B) == 3 * B
+    s.on_new_request(req)
+    s.update_state_after_alloc(req, [10, 11, 12, 13, 14], 3 * B)
+    req.num_computed_tokens = 4 * B  # its own block and the 3 loaded ones
+    loads, saves = s.plan_step({"r1": B}, lambda rid: [10, 11, 12, 13, 14])
+    assert loads == {
+        "r1": Loads(
+            "arena-1",
+            [
+                PageLoad(101, 7, H[1], 11),
+                PageLoad(102, 8, H[2], 12),
+                PageLoad(103, 9, H[3], 13),
+            ],
+        )
+    }
+    # Loaded blocks are not saved back: only the one this step computes.
+    assert saves == [PageSave(H[4], 14)]
+    assert s.plan_step({}, None) == ({}, [])  # a load is planned once
+
+
+def test_a_changed_cache_hit_drops_the_old_pin_and_asks_again() -> None:
+    store = ScriptedStore(stored=H[:4])
+    s, _ = scheduler(store)
+    req = Req("r1", 5 * B, H[:5])
+    s.get_num_new_matched_tokens(req, 0)
+    assert s.get_num_new_matched_tokens(req, 2 * B) == 2 * B
+    assert released(store) == ["r1"]
+    assert [c[4] for c in store.calls if c[0] == "lookup"] == [0, 2]
+
+
+def test_pages_on_their_way_from_another_node_make_the_request_wait() -> None:
+    s, _ = scheduler(ScriptedStore(stored=H[:4], pending=True))
+    assert s.get_num_new_matched_tokens(Req("r1", 5 * B, H[:5]), 0) is None
+
+
+def test_an_allocation_that_takes_nothing_external_gives_the_pin_back() -> None:
+    store = ScriptedStore(stored=H[:4])
+    s, _ = scheduler(store)
+    req = Req("r1", 5 * B, H[:5])
+    s.get_num_new_matched_tokens(req, 0)
+    s.update_state_after_alloc(req, [0, 1, 2, 3, 4], 0)
+    assert released(store) == ["r1"] and s.pinned() == set()
+
+
+def test_a_request_finished_before_its_load_gives_the_pin_back() -> None:
+    store = ScriptedStore(stored=H[:4])
+    s, _ = scheduler(store)
+    req = Req("r1", 5 * B, H[:5])
+    s.get_num_new_matched_tokens(req, 0)
+    s.update_state_after_alloc(req, [0, 1, 2, 3, 4], 4 * B)
+    assert s.pinned() == {"r1"}
+    s.request_finished(req)
+    assert released(store) == ["r1"] and s.pinned() == set()
+
+
+def test_each_completed_block_is_saved_once_and_again_after_a_failed_load() -> None:
+    s, _ = scheduler(ScriptedStore())
+    req = Req("r1", 3 * B + 1, H[:3])
+    s.on_new_request(req)
+    blocks = [20, 21, 22, 23]
+    _, saves = s.plan_step({"r1": 2 * B + 1}, lambda rid: blocks)
+    assert saves == [PageSave(H[0], 20), PageSave(H[1], 21)]
+    req.num_computed_tokens = 2 * B + 1
+    _, saves = s.plan_step({"r1": B}, lambda rid: blocks)
+    assert saves == [PageSave(H[2], 22)]
+    # vLLM moved num_computed_tokens back to block 1 (its load failed): the
+    # recomputed blocks are saved again.
+    req.num_computed_tokens = B
+    _, saves = s.plan_step({"r1": 2 * B}, lambda rid: blocks)
+    assert saves == [PageSave(H[1], 21), PageSave(H[2], 22)]
+
+
+def test_a_store_that_is_gone_costs_hits_not_requests() -> None:
+    s, warnings = scheduler(ScriptedStore(stored=H[:4], down=True))
+    assert s.get_num_new_matched_tokens(Req("r1", 5 * B, H[:5]), 0) == 0
+    assert len(warnings) == 1 and isinstance(warnings[0], StoreError)
+
+
+@pytest.mark.parametrize("prompt", [1, B])
+def test_a_prompt_without_a_full_block_to_spare_asks_nothing(prompt: int) -> None:
+    store = ScriptedStore(stored=H[:1])
+    s, _ = scheduler(store)
+    assert s.get_num_new_matched_tokens(Req("r1", prompt, H[: prompt // B]), 0) == 0
+    assert store.calls == []
