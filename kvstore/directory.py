@@ -11,12 +11,14 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 
 from kvstore.block_hash import BlockHash
 from kvstore.node_store import ChangeLog, Changes, HotKey
 
 NodeId = str
 Entry = tuple[NodeId, BlockHash]
+_NONE: frozenset[BlockHash] = frozenset()
 
 
 class Directory:
@@ -72,6 +74,10 @@ class Directory:
             self._add(node, h)
         for node, h in changes.removed:
             self._remove(node, h)
+
+    def pages(self, node: NodeId) -> AbstractSet[BlockHash]:
+        """The pages ``node`` holds (a live view: do not change it)."""
+        return self._by_node.get(node, _NONE)
 
     def holders(self, h: BlockHash) -> set[NodeId]:
         return set(self._holders.get(h, ()))

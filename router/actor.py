@@ -9,6 +9,7 @@ in flight do not notice it die.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -42,8 +43,14 @@ def num_routed_experts(model_path: str) -> int:
 
 
 class DeepSeekRouter:
-    def __init__(self, config: RouterConfig, num_experts: int) -> None:
+    def __init__(
+        self, config: RouterConfig, num_experts: int, stores_of: str | None = None
+    ) -> None:
+        """``stores_of``: the application whose page stores the router follows
+        (through its kvstore directory) for what each node's store holds."""
         self.incarnation = uuid.uuid4().hex  # a restart forgets every report
+        self._stores_of = stores_of
+        self._follower: asyncio.Task[None] | None = None
         self._service = RouterService(
             RouterCore(config, num_experts=num_experts, clock=time.monotonic),
             on_transition=self._on_transition,
@@ -107,7 +114,7 @@ class DeepSeekRouter:
     async def admit(self, ticket: Ticket) -> RouteDecision | Shed:
         """The decision, or the ``Shed`` refusing it: returned, not raised, so it
         reaches the ingress as itself (Ray wraps what an actor raises)."""
-        self._service.start()
+        self._start()
         try:
             decision = await self._service.admit(ticket)
         except Shed as e:
@@ -117,13 +124,13 @@ class DeepSeekRouter:
         return decision
 
     async def release(self, release: Release) -> None:
-        self._service.start()
+        self._start()
         self._service.release(release)
 
     async def report(self, report: ReplicaReport) -> str:
         """Merges a replica's report; returns this incarnation's id, so a replica
         can tell that a restarted router needs its whole state again."""
-        self._service.start()
+        self._start()
         self._service.report(report)
         if report.expert_load is not None:
             self._export_expert_load(report.group or report.replica_id)
@@ -157,25 +164,66 @@ class DeepSeekRouter:
         self._service.decision_s.clear()
 
     async def ready(self) -> bool:
-        self._service.start()
+        self._start()
         return True
+
+    async def follows_stores(self) -> str | None:
+        return self._stores_of
+
+    def _start(self) -> None:
+        self._service.start()
+        if self._stores_of is not None and self._follower is None:
+            self._follower = asyncio.get_running_loop().create_task(
+                self._follow_stores(self._stores_of)
+            )
+
+    async def _follow_stores(self, app: str) -> None:
+        """Reads the kvstore directory's change log, as the stores' mirrors do:
+        one copy of every node's pages for the whole cluster, however many
+        replicas share a node."""
+        from kvstore import actor as kv_actor
+
+        interval = self._service.core.config.report_interval_s
+        incarnation, seq = "", -1
+        while True:
+            try:
+                directory = ray.get_actor(
+                    kv_actor.directory_name(app), namespace=kv_actor.NAMESPACE
+                )
+                incarnation, changes = await directory.changes.remote(incarnation, seq)
+                self._service.follow_stores(changes)
+                seq = changes.seq
+            except Exception as e:  # not started yet, or restarting: ask again
+                logger.debug("kvstore directory not followed: %r", e)
+                incarnation, seq = "", -1
+            await asyncio.sleep(interval)
 
 
 def get_or_create(
-    config: RouterConfig, app_name: str, model_path: str, *, replace: bool = False
+    config: RouterConfig,
+    app_name: str,
+    model_path: str,
+    *,
+    follow_stores: bool = False,
+    replace: bool = False,
 ) -> Any:
     """The app's router actor handle, creating the actor if it does not exist yet.
+    ``follow_stores``: the app runs page stores, whose pages the router counts as
+    cached on every replica of their node.
 
     With ``replace``, an existing router running another configuration (the app
-    was redeployed with a changed ``router`` section) is killed and a new one
-    started; the replicas' next reports rebuild its state.
+    was redeployed with a changed ``router`` section, or its stores turned on or
+    off) is killed and a new one started; the replicas' next reports rebuild its
+    state.
     """
+    stores_of = app_name if follow_stores else None
     cls = ray.remote(DeepSeekRouter)
     if replace:
         with contextlib.suppress(ValueError):
             old = ray.get_actor(actor_name(app_name), namespace=NAMESPACE)
             running: Any = ray.get(old.config.remote(), timeout=30)
-            if running != config:
+            followed = ray.get(old.follows_stores.remote(), timeout=30)
+            if (running, followed) != (config, stores_of):
                 logger.warning("router configuration changed: replacing the router")
                 ray.kill(old, no_restart=True)
     return cls.options(
@@ -190,7 +238,7 @@ def get_or_create(
         # Not in the caller's placement group (an EP group's gang): it would
         # die with the group and could not be restarted.
         scheduling_strategy="DEFAULT",
-    ).remote(config, num_routed_experts(model_path))
+    ).remote(config, num_routed_experts(model_path), stores_of)
 
 
 def kill(app_name: str) -> None:

@@ -17,6 +17,8 @@ from typing import Any
 
 from cluster.config import RouterConfig
 from cluster.qos import QoS
+from kvstore.directory import Entry
+from kvstore.node_store import Changes
 from router.admission import ClassQueues, Ewma, RateMeter, Waiting, percentiles
 from router.breakers import OPEN, ExpertBreakers, GroupExpertBreaker, ReplicaBreaker
 from router.policies import (
@@ -26,7 +28,7 @@ from router.policies import (
     PrefixAware,
     WeightedRoundRobin,
 )
-from router.prefix import PrefixDirectory
+from router.prefix import PrefixView
 from router.replicas import Lease, Replica
 from router.types import (
     Counters,
@@ -84,7 +86,10 @@ class RouterCore:
             {q: config.max_queued.of(q) for q in QoS},
         )
         self.replicas: dict[ReplicaId, Replica] = {}
-        self.directory = PrefixDirectory()
+        # What each replica can serve from cache: its engine's blocks (from its
+        # reports) and its node's store pages (``follow_stores``).
+        self.prefixes = PrefixView()
+        self.directory = self.prefixes.engines
         self.policy = self._make_policy(config)
         self.transitions: list[Transition] = []
         # Submission to first token of recent requests, per class (seconds).
@@ -117,7 +122,7 @@ class RouterCore:
         if config.policy == "weighted_round_robin":
             return WeightedRoundRobin()
         if config.policy == "prefix":
-            return PrefixAware(self.directory, config.prefix_balance_tokens)
+            return PrefixAware(self.prefixes, config.prefix_balance_tokens)
         if config.policy == "expert":
             return ExpertAware(self._num_experts)
         return LeastLoaded()
@@ -368,6 +373,11 @@ class RouterCore:
         self.directory.apply(report.replica_id, report.kv_events)
         self._merge_group_load(replica.group_key)
 
+    def follow_stores(self, changes: Changes[Entry]) -> None:
+        """The kvstore directory's changes since the last call: which node's page
+        store holds which page (``full``: everything, after either restarted)."""
+        self.prefixes.follow_stores(changes)
+
     def tick(self) -> list[tuple[Waiting, Shed]]:
         """Drops silent replicas and sheds queued requests that can no longer meet
         their deadline (or waited ``max_wait_s``). Call ``pump`` after."""
@@ -461,9 +471,11 @@ class RouterCore:
                     "tokens_per_s": r.tokens_per_s,
                     "breaker": r.breaker.state,
                     "cached_blocks": self.directory.num_blocks(rid),
+                    "node": r.node_id,
                 }
                 for rid, r in sorted(self.replicas.items())
             },
+            "store_pages": self.prefixes.stores.summary(),
             "queued": {q.name.lower(): self.queues.depth(q) for q in QoS},
             "admitted": {q.name.lower(): n for q, n in self.counters.admitted.items()},
             "shed": {

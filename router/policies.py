@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from router.prefix import PrefixDirectory
+from router.prefix import PrefixView
 from router.replicas import Replica
 from router.types import Ticket
 
@@ -64,14 +64,16 @@ class PrefixAware:
 
     name = "prefix"
 
-    def __init__(self, directory: PrefixDirectory, balance_tokens: int) -> None:
-        self._directory, self._balance = directory, balance_tokens
+    def __init__(self, view: PrefixView, balance_tokens: int) -> None:
+        self._view, self._balance = view, balance_tokens
 
     def choose(self, ticket: Ticket, candidates: Sequence[Replica]) -> Choice:
         lightest = _least_loaded(candidates)
-        cached = self._directory.cached_blocks
+        cached = self._view.cached_blocks
         hashes = ticket.block_hashes
-        hits = {r.replica_id: cached(r.replica_id, hashes) for r in candidates}
+        hits = {
+            r.replica_id: cached(r.replica_id, r.node_id, hashes) for r in candidates
+        }
         best = max(candidates, key=lambda r: (hits[r.replica_id], -r.load_tokens))
         if hits[best.replica_id] == 0:
             return lightest, "least-loaded", 0

@@ -44,6 +44,7 @@ class Replica:
     measured: ExpertLoad | None = None  # the replica's last measured expert load
     group: str = ""  # EP group ("": the replica is its own group of one)
     group_size: int = 1
+    node_id: str = ""  # where it runs ("": unknown, no page store counted)
     # Sum of the leases' predicted expert hits, kept as leases come and go.
     _predicted: dict[int, float] = field(default_factory=dict)
 
@@ -102,6 +103,7 @@ class Replica:
         self.tokens_per_s = report.tokens_per_s
         self.measured = report.expert_load
         self.group, self.group_size = report.group, report.group_size
+        self.node_id = report.node_id
         seen = set()
         for p in report.requests:
             seen.add(p.request_id)

@@ -15,6 +15,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from kvstore.directory import Entry
+from kvstore.node_store import Changes
 from router.admission import Waiting, percentiles
 from router.core import RouterCore
 from router.types import (
@@ -108,6 +110,11 @@ class RouterService:
     def report(self, report: ReplicaReport) -> None:
         self.core.report(report)
         self.pump()
+
+    def follow_stores(self, changes: Changes[Entry]) -> None:
+        """What each node's page store holds changed (the kvstore directory's
+        change log); placements from now on count it."""
+        self.core.follow_stores(changes)
 
     def pump(self) -> None:
         t0 = time.perf_counter()

@@ -147,11 +147,12 @@ class ReplicaReport:
     replica_id: ReplicaId
     requests: tuple[RequestProgress, ...] = ()
     tokens_per_s: float = 0.0  # generated tokens per second while busy (measured)
-    kv_events: tuple[KVEvent, ...] = ()
+    kv_events: tuple[KVEvent, ...] = ()  # its engine's own prefix cache only
     expert_load: ExpertLoad | None = None  # measured, where the engine measures it
     group: str = ""  # expert-parallel group this replica is a rank of ("": none)
     rank: int = 0
     group_size: int = 1
+    node_id: str = ""  # the Ray node: its page store's pages are the replica's too
 
 
 @dataclass(frozen=True, slots=True)

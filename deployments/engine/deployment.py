@@ -94,7 +94,7 @@ class EngineServer:
             self._tasks.append(loop.create_task(self._poll_expert_load(config)))
         listener = kv_events.KVEventListener(listen)
         if store is not None:
-            self._tasks.append(loop.create_task(_follow_store(config, store, listener)))
+            self._tasks.append(loop.create_task(_watch_store(config, store)))
         if endpoint is not None:
             from router import actor
 
@@ -106,8 +106,12 @@ class EngineServer:
                 kv_events=listener.drain,
                 expert_load=self._engine.expert_load_snapshot,
                 group=(g.group_id, g.rank, g.size) if g else ("", 0, 1),
+                node_id=self._node_id,
                 connect=lambda: actor.get_or_create(
-                    config.router, config.server.app_name, config.model.path
+                    config.router,
+                    config.server.app_name,
+                    config.model.path,
+                    follow_stores=config.kvstore.enabled,
                 ),
                 interval_s=config.router.report_interval_s,
             )
@@ -211,33 +215,16 @@ async def _node_store(config: ClusterConfig) -> tuple[Any, str]:
     return store, await store.start.remote()
 
 
-async def _follow_store(
-    config: ClusterConfig, store: Any, listener: kv_events.KVEventListener
-) -> None:
-    """Feeds the node store's page changes to the router reports (a replica can
-    serve from cache whatever its node's store holds), and starts a new store on
-    the node if this one died: the engines' connectors re-attach to its arena."""
-    from kvstore.block_hash import BlockHash
-    from router.types import KVEvent
-
-    incarnation, seq = "", -1
+async def _watch_store(config: ClusterConfig, store: Any) -> None:
+    """Starts a new store on the node when this one died: the engines' connectors
+    re-attach to its arena. (What the store holds reaches the router through the
+    kvstore directory, not through this replica.)"""
     while True:
+        await asyncio.sleep(config.router.report_interval_s)
         try:
             if store is None:
                 store, _ = await _node_store(config)
-            inc, changes = await store.changes.remote(incarnation, seq)
-            if changes.full:
-                listener.apply([KVEvent("cleared")], kv_events.STORE)
-            events = []
-            if changes.added:
-                added = tuple(BlockHash(h) for h in changes.added)
-                events.append(KVEvent("stored", added))
-            if changes.removed:
-                removed = tuple(BlockHash(h) for h in changes.removed)
-                events.append(KVEvent("removed", removed))
-            listener.apply(events, kv_events.STORE)
-            incarnation, seq = inc, changes.seq
+            await store.summary.remote()
         except Exception as e:
             logger.warning("the node's page store failed (%s); starting another", e)
-            store, incarnation, seq = None, "", -1
-        await asyncio.sleep(config.router.report_interval_s)
+            store = None

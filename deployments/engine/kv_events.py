@@ -2,9 +2,11 @@
 
 vLLM's scheduler publishes ``KVEventBatch`` messages (msgpack over a ZMQ PUB socket)
 when it caches or evicts full blocks. Each engine replica subscribes to its own
-engine's socket and hands the changes to its router reports. The router may have
-restarted (and forgotten everything) between two reports, so the listener also
-keeps the replica's current block set to resend in full when asked.
+engine's socket and hands the changes to its router reports: its engine's own
+cache only (the router follows the node stores' pages itself, from the kvstore
+directory). The router may have restarted (and forgotten everything) between two
+reports, so the listener also keeps the engine's current block set to resend in
+full when asked.
 """
 
 from __future__ import annotations
@@ -15,13 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.block_hash import BlockHash
-from router.prefix import PrefixDirectory
-from router.types import KVEvent, ReplicaId
+from router.types import KVEvent
 
 logger = logging.getLogger("moe_cluster.engine")
 TOPIC = b"kv"
-_SELF = ReplicaId("self")
-STORE = ReplicaId("node-store")
 
 
 def endpoint_for(replica_id: str) -> str:
@@ -87,40 +86,28 @@ def convert(batch: Any) -> list[KVEvent]:
 
 class KVEventListener:
     """Subscribes to one engine's KV events; ``drain`` returns what changed since
-    the last call, or everything the replica can serve from cache when ``full`` is
-    asked.
-
-    A replica serves a block from cache when its engine holds it or its node's
-    page store does: ``apply`` takes changes from either ``source`` and reports the
-    union (a block is removed only when neither holds it any more).
-    """
+    the last call, or (``full``) every block the engine holds."""
 
     def __init__(self, endpoint: str | None) -> None:
         self._endpoint = endpoint
         self._pending: list[KVEvent] = []
-        # Who holds what: the router's own directory, one entry per source.
-        self._held = PrefixDirectory()
+        self._held: set[BlockHash] = set()
 
     def drain(self, full: bool = False) -> tuple[KVEvent, ...]:
         self._pending, pending = [], self._pending
         if full:
-            union = {h for s in (_SELF, STORE) for h in self._held.blocks(s)}
-            return (KVEvent("cleared"), KVEvent("stored", tuple(union)))
+            return (KVEvent("cleared"), KVEvent("stored", tuple(self._held)))
         return tuple(pending)
 
-    def apply(self, events: list[KVEvent], source: ReplicaId = _SELF) -> None:
+    def apply(self, events: list[KVEvent]) -> None:
         for ev in events:
-            touched = (
-                self._held.blocks(source) if ev.kind == "cleared" else ev.block_hashes
-            )
-            before = {h: self._held.held(h) for h in touched}
-            self._held.apply(source, [ev])
-            gained = tuple(h for h in touched if not before[h] and self._held.held(h))
-            lost = tuple(h for h in touched if before[h] and not self._held.held(h))
-            if gained:
-                self._pending.append(KVEvent("stored", gained))
-            if lost:
-                self._pending.append(KVEvent("removed", lost))
+            if ev.kind == "stored":
+                self._held.update(ev.block_hashes)
+            elif ev.kind == "removed":
+                self._held.difference_update(ev.block_hashes)
+            elif ev.kind == "cleared":
+                self._held.clear()
+            self._pending.append(ev)
 
     async def run(self) -> None:
         if self._endpoint is None:

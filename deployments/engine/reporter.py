@@ -35,6 +35,7 @@ class Reporter:
         kv_events: Callable[[bool], tuple[KVEvent, ...]] = lambda full: (),
         expert_load: Callable[[], ExpertLoad | None] = lambda: None,
         group: tuple[str, int, int] = ("", 0, 1),
+        node_id: str = "",
         connect: Callable[[], Any],
         interval_s: float,
     ) -> None:
@@ -44,6 +45,7 @@ class Reporter:
         self._kv_events = kv_events  # (full) -> changes since last, or everything
         self._expert_load = expert_load
         self._group = group  # (group id, rank, ranks)
+        self._node_id = node_id
         self._router_incarnation: str | None = None
         self._resend_all = True
         self._connect = connect  # returns the router actor handle (blocking)
@@ -73,6 +75,7 @@ class Reporter:
                 group=self._group[0],
                 rank=self._group[1],
                 group_size=self._group[2],
+                node_id=self._node_id,
             )
             try:
                 if self._handle is None:

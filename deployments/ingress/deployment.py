@@ -116,8 +116,13 @@ def _router_client(config: ClusterConfig) -> RouterClient | None:
         ),
     )
     app, model = config.server.app_name, config.model.path
-    router_actor.get_or_create(r, app, model, replace=True)  # this config wins
-    return RouterClient(lambda: router_actor.get_or_create(r, app, model), tickets)
+    stores = config.kvstore.enabled
+    # This config wins.
+    router_actor.get_or_create(r, app, model, follow_stores=stores, replace=True)
+    return RouterClient(
+        lambda: router_actor.get_or_create(r, app, model, follow_stores=stores),
+        tickets,
+    )
 
 
 @serve.deployment(name="Ingress")

@@ -279,28 +279,30 @@ def test_the_store_reports_on_the_metrics_endpoint(served: Served) -> None:
     wait_until(shown, 60, "page store metrics on Ray's endpoint")
 
 
-def test_the_router_sees_the_pages_each_replica_can_load(
+def test_the_router_follows_each_nodes_store_once_and_knows_each_replicas_node(
     served: Served, engine_handle: Any, replicas: tuple[str, str], store: Any
 ) -> None:
     from tests.integration.test_router import router_snapshot
 
     generate(engine_handle, replicas[0], unique_prompt(4 * BLOCK + 1))
+    summary = ray.get(store.summary.remote())
+    node = summary["node"]
 
-    def in_step() -> dict[str, int] | None:
+    def in_step() -> dict[str, Any] | None:
         held = ray.get(store.summary.remote())["pages"]
-        snap = router_snapshot(served)["replicas"]
-        seen = {r: snap[r]["cached_blocks"] for r in replicas if r in snap}
-        if len(seen) < 2:
+        snap = router_snapshot(served)
+        known = {r: snap["replicas"][r] for r in replicas if r in snap["replicas"]}
+        if len(known) < 2 or snap["store_pages"].get(node) != held:
             return None
-        if PLATFORM.prefix_caching:
-            return seen if min(seen.values()) >= held else None
-        return seen if set(seen.values()) == {held} else None
+        return snap if held > 0 else None
 
-    # Both replicas share the node's store, so the router credits both with
-    # every page of it (what the prefix policy scores replicas by), and a
-    # caching engine's replica with its own blocks too.
-    seen = wait_until(in_step, 20, "the router's view to match the node's store")
-    assert min(seen.values()) > 0
+    # The node's pages are held once, from the kvstore directory, and both
+    # replicas (which share the node and its store) are placed on it; what each
+    # replica reports is its own engine's cache only.
+    snap = wait_until(in_step, 20, "the router's view to match the node's store")
+    assert {snap["replicas"][r]["node"] for r in replicas} == {node}
+    if not PLATFORM.prefix_caching:
+        assert all(snap["replicas"][r]["cached_blocks"] == 0 for r in replicas)
 
 
 def test_a_store_that_dies_is_replaced_and_the_engines_reattach(

@@ -2,9 +2,10 @@ from collections import Counter
 
 from cluster.qos import QoS
 from kvstore.block_hash import block_hashes
+from kvstore.node_store import Changes
 from router.breakers import ReplicaBreaker
 from router.policies import ExpertAware, LeastLoaded, PrefixAware, WeightedRoundRobin
-from router.prefix import PrefixDirectory
+from router.prefix import PrefixView
 from router.replicas import Lease, Replica
 from router.types import KVEvent, ReplicaId, Ticket
 from tests.router.clock import Clock
@@ -52,9 +53,9 @@ def test_weighted_round_robin_follows_measured_capacity() -> None:
 def test_prefix_prefers_longest_cached_prefix_within_balance() -> None:
     tokens = list(range(64))
     hashes = block_hashes(tokens, 16)
-    d = PrefixDirectory()
-    d.apply(ReplicaId("a"), [KVEvent("stored", hashes[:1])])
-    d.apply(ReplicaId("b"), [KVEvent("stored", hashes[:3])])
+    d = PrefixView()
+    d.engines.apply(ReplicaId("a"), [KVEvent("stored", hashes[:1])])
+    d.engines.apply(ReplicaId("b"), [KVEvent("stored", hashes[:3])])
     t = Ticket("t", QoS.NORMAL, 64, 16, block_hashes=hashes)
     a = _replica("a")
     b = _replica("b", _lease("1", 100, 100))  # 200 tokens busier
@@ -79,3 +80,15 @@ def test_expert_aware_avoids_replicas_hot_on_the_prompts_experts() -> None:
     assert pol.choose(on_2, [a, b])[:2] == (a, "expert")
     no_hist = Ticket("v", QoS.NORMAL, 8, 8)
     assert pol.choose(no_hist, [a, b])[:2] == (a, "least-loaded")
+
+
+def test_prefix_counts_the_pages_of_a_replicas_node_store() -> None:
+    hashes = block_hashes(list(range(64)), 16)
+    view = PrefixView()
+    view.engines.apply(ReplicaId("a"), [KVEvent("stored", hashes[:1])])
+    # Node n2's store holds the first three pages: b, on n2, can load them.
+    view.follow_stores(Changes(3, True, tuple(("n2", h) for h in hashes[:3])))
+    a, b = _replica("a"), _replica("b")
+    a.node_id, b.node_id = "n1", "n2"
+    t = Ticket("t", QoS.NORMAL, 64, 16, block_hashes=hashes)
+    assert PrefixAware(view, balance_tokens=200).choose(t, [a, b]) == (b, "prefix", 3)

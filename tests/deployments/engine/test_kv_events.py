@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 
 from deployments.engine.kv_events import (
-    STORE,
     KVEventListener,
     convert,
     remove_endpoint,
@@ -74,9 +73,13 @@ async def test_events_published_by_vllm_reach_the_directory(tmp_path: Path) -> N
             assert time.monotonic() < deadline
             got += listener.drain()
             await asyncio.sleep(0.02)
-        # The engine's "cleared" reaches the router as the removal of what it held.
-        assert got[0] == KVEvent("removed", (PROBE,))
-        assert [e.kind for e in got[1:]] == ["stored", "removed", "stored", "stored"]
+        assert [e.kind for e in got] == [
+            "cleared",
+            "stored",
+            "removed",
+            "stored",
+            "stored",
+        ]
         directory.apply(r, got)
         assert directory.cached_blocks(r, H) == 4
         full = listener.drain(full=True)
@@ -158,17 +161,18 @@ async def test_reporter_resends_all_blocks_to_a_new_router() -> None:
         task.cancel()
 
 
-def test_a_block_stays_cached_while_the_engine_or_the_node_store_holds_it() -> None:
+def test_the_listener_reports_its_engines_blocks_and_resends_them_all() -> None:
     listener = KVEventListener(None)
-    listener.apply([KVEvent("stored", (H[0], H[1]))])  # the engine's own cache
-    listener.apply([KVEvent("stored", (H[1], H[2]))], source=STORE)
+    listener.apply([KVEvent("stored", (H[0], H[1]))])
+    listener.apply([KVEvent("removed", (H[0],)), KVEvent("stored", (H[2],))])
     assert listener.drain() == (
         KVEvent("stored", (H[0], H[1])),
+        KVEvent("removed", (H[0],)),
         KVEvent("stored", (H[2],)),
     )
-    listener.apply([KVEvent("cleared")])  # the engine drops its cache
-    assert listener.drain() == (KVEvent("removed", (H[0],)),)  # H1 is in the store
-    listener.apply([KVEvent("removed", (H[1],))], source=STORE)
-    assert listener.drain() == (KVEvent("removed", (H[1],)),)
-    full = listener.drain(full=True)
-    assert full == (KVEvent("cleared"), KVEvent("stored", (H[2],)))
+    assert listener.drain() == ()
+    cleared, stored = listener.drain(full=True)
+    assert cleared == KVEvent("cleared") and set(stored.block_hashes) == {H[1], H[2]}
+    listener.apply([KVEvent("cleared")])
+    assert listener.drain() == (KVEvent("cleared"),)
+    assert listener.drain(full=True) == (KVEvent("cleared"), KVEvent("stored", ()))
