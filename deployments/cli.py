@@ -146,7 +146,8 @@ def cmd_router(args: argparse.Namespace) -> int:
         except ValueError:
             print(f"moe-cluster: no router {name!r} on this cluster", file=sys.stderr)
             return 1
-        print(json.dumps(ray.get(handle.snapshot.remote(), timeout=30), indent=1))
+        stats = ray.get(handle.snapshot.remote(), timeout=30)
+        print(json.dumps(stats.as_json(), indent=1))
     finally:
         ray.shutdown()
     return 0

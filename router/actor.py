@@ -19,18 +19,17 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.util import metrics
 
 from cluster.config import RouterConfig
-from cluster.qos import QoS
 from router.core import RouterCore
+from router.metrics import RouterMetrics
 from router.service import RouterService
-from router.types import Release, ReplicaReport, RouteDecision, Shed, Ticket, Transition
+from router.stats import RouterStats
+from router.types import Release, ReplicaReport, RouteDecision, Shed, Ticket
 
 logger = logging.getLogger("moe_cluster.router")
 NAMESPACE = "moe-cluster"
-_BREAKER_VALUE = {"closed": 0, "half-open": 1, "open": 2, "gone": 3}
-_GROUP_BREAKER_VALUE = {"closed": 0, "half-open": 1, "open": 2, "open-normal": 3}
+METRICS_INTERVAL_S = 1.0  # gauges from a snapshot this often
 
 
 def actor_name(app_name: str) -> str:
@@ -50,66 +49,14 @@ class DeepSeekRouter:
         (through its kvstore directory) for what each node's store holds."""
         self.incarnation = uuid.uuid4().hex  # a restart forgets every report
         self._stores_of = stores_of
-        self._follower: asyncio.Task[None] | None = None
+        self._metrics = RouterMetrics()
         self._service = RouterService(
             RouterCore(config, num_experts=num_experts, clock=time.monotonic),
-            on_transition=self._on_transition,
-            on_decision=self._on_decision,
+            on_transition=self._metrics.transition,
+            on_decision=self._metrics.decision,
         )
-        self._admitted = metrics.Counter(
-            "moe_cluster_router_admitted", "Requests dispatched.", ("qos",)
-        )
-        self._shed = metrics.Counter(
-            "moe_cluster_router_shed", "Requests refused.", ("qos", "reason")
-        )
-        self._transitions = metrics.Counter(
-            "moe_cluster_router_breaker_transitions",
-            "Breaker state changes.",
-            ("kind", "key", "to"),
-        )
-        self._breaker = metrics.Gauge(
-            "moe_cluster_router_replica_breaker",
-            "Replica breaker: 0 closed, 1 half-open, 2 open, 3 gone.",
-            ("replica",),
-        )
-        self._queued = metrics.Gauge(
-            "moe_cluster_router_queued", "Requests waiting per class.", ("qos",)
-        )
-        self._group_breaker = metrics.Gauge(
-            "moe_cluster_router_group_breaker",
-            "Group expert breaker: 0 closed, 1 half-open, 2 open (background "
-            "deferred), 3 open for normal too.",
-            ("group",),
-        )
-        self._expert_load = metrics.Gauge(
-            "moe_cluster_expert_load_tokens_per_s",
-            "Measured tokens routed to each expert per second (rolling window, "
-            "summed over MoE layers and the group's ranks).",
-            ("group", "expert"),
-        )
-        self._imbalance = metrics.Gauge(
-            "moe_cluster_expert_imbalance",
-            "Per MoE layer: the busiest expert's measured tokens over the mean "
-            "(1.0 = even).",
-            ("group", "layer"),
-        )
-        self._decision = metrics.Histogram(
-            "moe_cluster_router_decision_seconds",
-            "Router compute time per dispatched request.",
-            boundaries=[1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2],
-        )
+        self._tasks: list[asyncio.Task[None]] = []
         logger.info("DeepSeekRouter up (policy %s)", config.policy)
-
-    def _on_transition(self, t: Transition) -> None:
-        self._transitions.inc(tags={"kind": t.kind, "key": t.key, "to": t.new})
-        if t.kind == "replica":
-            self._breaker.set(_BREAKER_VALUE.get(t.new, 0), tags={"replica": t.key})
-        elif t.kind == "group":
-            value = _GROUP_BREAKER_VALUE.get(t.new, 0)
-            self._group_breaker.set(value, tags={"group": t.key})
-
-    def _on_decision(self, seconds: float) -> None:
-        self._decision.observe(seconds)
 
     async def admit(self, ticket: Ticket) -> RouteDecision | Shed:
         """The decision, or the ``Shed`` refusing it: returned, not raised, so it
@@ -118,9 +65,9 @@ class DeepSeekRouter:
         try:
             decision = await self._service.admit(ticket)
         except Shed as e:
-            self._shed.inc(tags={"qos": ticket.qos.name.lower(), "reason": e.reason})
+            self._metrics.shed(ticket.qos, e.reason)
             return e
-        self._admitted.inc(tags={"qos": ticket.qos.name.lower()})
+        self._metrics.admitted(ticket.qos)
         return decision
 
     async def release(self, release: Release) -> None:
@@ -132,36 +79,17 @@ class DeepSeekRouter:
         can tell that a restarted router needs its whole state again."""
         self._start()
         self._service.report(report)
-        if report.expert_load is not None:
-            self._export_expert_load(report.group or report.replica_id)
-        for q in QoS:
-            depth = self._service.core.queues.depth(q)
-            self._queued.set(depth, tags={"qos": q.name.lower()})
         return self.incarnation
 
-    def _export_expert_load(self, group: str) -> None:
-        core = self._service.core
-        load = core.group_loads.get(group)
-        if load is None or load.window_s <= 0:
-            return
-        for e, n in enumerate(load.per_expert()):
-            tags = {"group": group, "expert": str(e)}
-            self._expert_load.set(n / load.window_s, tags=tags)
-        min_tokens = core.config.expert_min_window_tokens
-        for layer, ratio in load.imbalance(min_tokens).items():
-            self._imbalance.set(ratio, tags={"group": group, "layer": str(layer)})
-
-    async def snapshot(self) -> dict[str, Any]:
+    async def snapshot(self) -> RouterStats:
         return self._service.snapshot()
 
     async def config(self) -> RouterConfig:
-        return self._service.core.config
+        return self._service.config
 
     async def reset_stats(self) -> None:
         """Forgets the latency samples in ``snapshot`` (between benchmark phases)."""
-        for samples in self._service.core.served_ttft.values():
-            samples.clear()
-        self._service.decision_s.clear()
+        self._service.reset_stats()
 
     async def ready(self) -> bool:
         self._start()
@@ -171,11 +99,21 @@ class DeepSeekRouter:
         return self._stores_of
 
     def _start(self) -> None:
+        if self._tasks:
+            return
         self._service.start()
-        if self._stores_of is not None and self._follower is None:
-            self._follower = asyncio.get_running_loop().create_task(
-                self._follow_stores(self._stores_of)
-            )
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._export_metrics()))
+        if self._stores_of is not None:
+            self._tasks.append(loop.create_task(self._follow_stores(self._stores_of)))
+
+    async def _export_metrics(self) -> None:
+        while True:
+            try:
+                self._metrics.export(self._service.snapshot())
+            except Exception:  # keep exporting: one bad snapshot must not stop it
+                logger.exception("router metrics export failed")
+            await asyncio.sleep(METRICS_INTERVAL_S)
 
     async def _follow_stores(self, app: str) -> None:
         """Reads the kvstore directory's change log, as the stores' mirrors do:
@@ -183,7 +121,7 @@ class DeepSeekRouter:
         replicas share a node."""
         from kvstore import actor as kv_actor
 
-        interval = self._service.core.config.report_interval_s
+        interval = self._service.config.report_interval_s
         incarnation, seq = "", -1
         while True:
             try:

@@ -11,7 +11,7 @@ minimum pass, so idleness earns no burst.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from cluster.qos import QoS
@@ -117,16 +117,3 @@ class Ewma:
         first = self.samples == 0
         self.value = x if first else self.value + self.alpha * (x - self.value)
         self.samples += 1
-
-
-def percentiles(samples: Collection[float], scale: float) -> dict[str, float] | None:
-    """p50 and p99 of ``samples`` times ``scale`` (e.g. 1e3 for ms), and their count;
-    None when there are none."""
-    if not samples:
-        return None
-    xs = sorted(samples)
-    return {
-        "p50": xs[len(xs) // 2] * scale,
-        "p99": xs[min(len(xs) - 1, int(len(xs) * 0.99))] * scale,
-        "n": len(xs),
-    }

@@ -13,13 +13,12 @@ import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from cluster.config import RouterConfig
 from cluster.qos import QoS
 from kvstore.directory import Entry
 from kvstore.node_store import Changes
-from router.admission import ClassQueues, Ewma, RateMeter, Waiting, percentiles
+from router.admission import ClassQueues, Ewma, RateMeter, Waiting
 from router.breakers import OPEN, ExpertBreakers, GroupExpertBreaker, ReplicaBreaker
 from router.policies import (
     ExpertAware,
@@ -30,6 +29,7 @@ from router.policies import (
 )
 from router.prefix import PrefixView
 from router.replicas import Lease, Replica
+from router.stats import GroupStats, Percentiles, ReplicaStats, RouterStats
 from router.types import (
     Counters,
     ExpertLoad,
@@ -435,20 +435,21 @@ class RouterCore:
                 load[e] += x
         return load
 
-    def _group_snapshot(self, group: str, ranks: list[Replica]) -> dict[str, Any]:
+    def _group_stats(self, group: str, ranks: list[Replica]) -> GroupStats:
         load = self.group_loads.get(group)
         breaker = self.group_breakers.get(group)
         imbalance = load.imbalance(self.config.expert_min_window_tokens) if load else {}
-        return {
-            "ranks": sorted(r.replica_id for r in ranks),
-            "size": ranks[0].group_size,
-            "serving": self._group_serves(ranks, QoS.REALTIME),
-            "expert_breaker": breaker.state if breaker else None,
-            "pressure": round(expert_pressure(load, self.config), 3),
-            "max_imbalance": round(max(imbalance.values(), default=0.0), 3),
-            "expert_tokens": load.per_expert() if load else [],
-            "window_s": load.window_s if load else 0.0,
-        }
+        return GroupStats(
+            ranks=tuple(sorted(r.replica_id for r in ranks)),
+            size=ranks[0].group_size,
+            serving=self._group_serves(ranks, QoS.REALTIME),
+            expert_breaker=breaker.state if breaker else None,
+            pressure=round(expert_pressure(load, self.config), 3),
+            max_imbalance=round(max(imbalance.values(), default=0.0), 3),
+            imbalance=imbalance,
+            expert_tokens=tuple(load.per_expert()) if load else (),
+            window_s=load.window_s if load else 0.0,
+        )
 
     def _shed(
         self, qos: QoS, reason: str, message: str, retry_s: float | None = None
@@ -460,42 +461,40 @@ class RouterCore:
             reason, message, self.retry_after(qos) if retry_s is None else retry_s
         )
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> RouterStats:
         now = self._clock()
-        return {
-            "policy": self.policy.name,
-            "replicas": {
-                rid: {
-                    "running": r.running,
-                    "load_tokens": r.load_tokens,
-                    "tokens_per_s": r.tokens_per_s,
-                    "breaker": r.breaker.state,
-                    "cached_blocks": self.directory.num_blocks(rid),
-                    "node": r.node_id,
-                }
+        c = self.counters
+        return RouterStats(
+            policy=self.policy.name,
+            replicas={
+                rid: ReplicaStats(
+                    running=r.running,
+                    load_tokens=r.load_tokens,
+                    tokens_per_s=r.tokens_per_s,
+                    breaker=r.breaker.state,
+                    cached_blocks=self.directory.num_blocks(rid),
+                    node=r.node_id,
+                )
                 for rid, r in sorted(self.replicas.items())
             },
-            "store_pages": self.prefixes.stores.summary(),
-            "queued": {q.name.lower(): self.queues.depth(q) for q in QoS},
-            "admitted": {q.name.lower(): n for q, n in self.counters.admitted.items()},
-            "shed": {
-                f"{q.name.lower()}/{why}": n
-                for (q, why), n in self.counters.shed.items()
-            },
-            "routed": dict(self.counters.routed),
-            "prefix_hit_rate": (
-                self.counters.cached_blocks / self.counters.prompt_blocks
-                if self.counters.prompt_blocks
-                else None
+            store_pages=self.prefixes.stores.summary(),
+            queued={q.name.lower(): self.queues.depth(q) for q in QoS},
+            admitted={q.name.lower(): n for q, n in c.admitted.items()},
+            shed={f"{q.name.lower()}/{why}": n for (q, why), n in c.shed.items()},
+            routed=dict(c.routed),
+            prefix_hit_rate=(
+                c.cached_blocks / c.prompt_blocks if c.prompt_blocks else None
             ),
-            "ttft_estimate_s": self._ttft.value,
-            "ttft_ms": {
-                q.name.lower(): percentiles(self.served_ttft[q], 1e3) for q in QoS
+            ttft_estimate_s=self._ttft.value,
+            ttft_ms={
+                q.name.lower(): Percentiles.of(self.served_ttft[q], 1e3) for q in QoS
             },
-            "dispatch_rate": self._freed.rate(now),
-            "hot_experts": self.expert_breakers.hot() if self.expert_breakers else [],
-            "groups": {
-                group: self._group_snapshot(group, ranks)
+            dispatch_rate=self._freed.rate(now),
+            hot_experts=(
+                tuple(self.expert_breakers.hot()) if self.expert_breakers else ()
+            ),
+            groups={
+                group: self._group_stats(group, ranks)
                 for group, ranks in sorted(self.groups().items())
             },
-        }
+        )

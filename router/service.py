@@ -13,12 +13,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
+from cluster.config import RouterConfig
 from kvstore.directory import Entry
 from kvstore.node_store import Changes
-from router.admission import Waiting, percentiles
+from router.admission import Waiting
 from router.core import RouterCore
+from router.stats import Percentiles, RouterStats
 from router.types import (
     Outcome,
     Release,
@@ -164,12 +165,17 @@ class RouterService:
             if self._on_transition is not None:
                 self._on_transition(t)
 
-    def snapshot(self) -> dict[str, Any]:
-        snap = self.core.snapshot()
-        snap["transitions"] = [
-            {"kind": t.kind, "key": t.key, "old": t.old, "new": t.new, "why": t.detail}
-            for t in self.recent_transitions
-        ]
-        if self.decision_s:
-            snap["decision_us"] = percentiles(self.decision_s, 1e6)
-        return snap
+    def snapshot(self) -> RouterStats:
+        return self.core.snapshot().with_service(
+            tuple(self.recent_transitions), Percentiles.of(self.decision_s, 1e6)
+        )
+
+    @property
+    def config(self) -> RouterConfig:
+        return self.core.config
+
+    def reset_stats(self) -> None:
+        """Forgets the latency samples (between benchmark phases)."""
+        for samples in self.core.served_ttft.values():
+            samples.clear()
+        self.decision_s.clear()

@@ -40,6 +40,7 @@ from ray.cluster_utils import Cluster
 from cluster.config import ClusterConfig
 from deployments.app import GRPC_SERVICERS, build_app, prepare_model
 from router import actor as router_actor
+from router.stats import RouterStats
 from tests.integration.conftest import ENGINE, free_port
 
 APP = "ep-two-nodes"
@@ -189,8 +190,8 @@ async def complete(
     return out
 
 
-async def groups(router: Any) -> dict[str, Any]:
-    snap: dict[str, Any] = await router.snapshot.remote()
+async def groups(router: Any) -> RouterStats:
+    snap: RouterStats = await router.snapshot.remote()
     return snap
 
 
@@ -214,10 +215,10 @@ async def workloads(base: str, cfg: ClusterConfig, router: Any) -> None:
             )
             await asyncio.sleep(cfg.router.report_interval_s * 3)
             snap = await groups(router)
-            [g] = snap["groups"].values()
+            [g] = snap.groups.values()
             histograms[name] = {
-                "expert_tokens": g["expert_tokens"],
-                "max_imbalance": g["max_imbalance"],
+                "expert_tokens": g.expert_tokens,
+                "max_imbalance": g.max_imbalance,
             }
         emit("expert_load", **histograms)
         await asyncio.sleep(window)
@@ -235,11 +236,11 @@ async def breaker(client: httpx.AsyncClient, router: Any) -> None:
         # Until the requests are done and the breaker has closed again.
         while not done.is_set() or timeline[-1][1] != "closed":
             snap = await groups(router)
-            for g in snap["groups"].values():
-                state = g["expert_breaker"] or "closed"
+            for g in snap.groups.values():
+                state = g.expert_breaker or "closed"
                 if not timeline or timeline[-1][1] != state:
                     timeline.append(
-                        (round(time.monotonic() - t0, 2), state, g["pressure"])
+                        (round(time.monotonic() - t0, 2), state, g.pressure)
                     )
             await asyncio.sleep(0.1)
 
@@ -270,7 +271,7 @@ async def breaker(client: httpx.AsyncClient, router: Any) -> None:
         "breaker",
         timeline=timeline,
         requests=sorted(results, key=lambda r: r["sent"]),
-        transitions=[t for t in snap.get("transitions", []) if "group" in str(t)],
+        transitions=[t for t in snap.as_json()["transitions"] if t["kind"] == "group"],
     )
 
 
@@ -284,8 +285,8 @@ def recovery(
     stopped_s = None
     while stopped_s is None and time.monotonic() - t0 < 60:
         snap = ray.get(router.snapshot.remote())
-        g = snap["groups"].get(old_group)
-        if g is None or not g["serving"]:
+        g = snap.groups.get(old_group)
+        if g is None or not g.serving:
             stopped_s = time.monotonic() - t0
         time.sleep(0.1)
     new = rank_stats(handle, 2, exclude_group=old_group)

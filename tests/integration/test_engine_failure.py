@@ -88,10 +88,10 @@ def test_dead_engine_fails_its_streams_opens_its_breaker_and_is_replaced(
             assert outcomes[rid]["finished"].completion_tokens == 480
 
     # Three failures in a row: the router opened the victim's breaker ...
-    transitions = router_snapshot(served)["transitions"]
-    opened = [t for t in transitions if t["key"] == victim.replica_id]
-    assert opened and opened[0]["new"] == "open", transitions
-    assert opened[0]["why"] == "3 consecutive failures"
+    transitions = router_snapshot(served).transitions
+    opened = [t for t in transitions if t.key == victim.replica_id]
+    assert opened and opened[0].new == "open", transitions
+    assert opened[0].detail == "3 consecutive failures"
     # ... and traffic goes to the surviving replica meanwhile.
     ok = pb.GenerateRequest(
         token_ids=pb.TokenIds(ids=[5, 6]), sampling=pb.SamplingParams(max_tokens=4)
@@ -120,7 +120,7 @@ def test_dead_engine_fails_its_streams_opens_its_breaker_and_is_replaced(
     )
 
     def routable() -> bool:
-        replicas = router_snapshot(served)["replicas"]
+        replicas = router_snapshot(served).replicas
         return len(replicas) == 2 and victim.replica_id not in replicas
 
     wait_until(routable, 30, "the router to route to the replacement only")

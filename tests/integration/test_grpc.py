@@ -239,14 +239,14 @@ def test_an_impossible_deadline_never_reaches_an_engine(
     request = greedy(PROMPT_IDS, 16)
     request.request_id = "too-late-1"
     request.deadline_ms = 1
-    shed_before = router_snapshot(served)["shed"].get("normal/deadline", 0)
+    shed_before = router_snapshot(served).shed.get("normal/deadline", 0)
     with pytest.raises(grpc.RpcError) as e:
         run(served, request)
     # The router refuses it up front (a deadline missed after dispatch would be
     # DEADLINE_EXCEEDED, and the engine request aborted: see test_frontend).
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "deadline_ms=1" in (e.value.details() or "")
-    assert router_snapshot(served)["shed"]["normal/deadline"] == shed_before + 1
+    assert router_snapshot(served).shed["normal/deadline"] == shed_before + 1
     assert not _engine_holds(engine_handle, "too-late-1")
 
 

@@ -291,8 +291,8 @@ def test_the_router_follows_each_nodes_store_once_and_knows_each_replicas_node(
     def in_step() -> dict[str, Any] | None:
         held = ray.get(store.summary.remote())["pages"]
         snap = router_snapshot(served)
-        known = {r: snap["replicas"][r] for r in replicas if r in snap["replicas"]}
-        if len(known) < 2 or snap["store_pages"].get(node) != held:
+        known = {r: snap.replicas[r] for r in replicas if r in snap.replicas}
+        if len(known) < 2 or snap.store_pages.get(node) != held:
             return None
         return snap if held > 0 else None
 
@@ -300,9 +300,9 @@ def test_the_router_follows_each_nodes_store_once_and_knows_each_replicas_node(
     # replicas (which share the node and its store) are placed on it; what each
     # replica reports is its own engine's cache only.
     snap = wait_until(in_step, 20, "the router's view to match the node's store")
-    assert {snap["replicas"][r]["node"] for r in replicas} == {node}
+    assert {snap.replicas[r].node for r in replicas} == {node}
     if not PLATFORM.prefix_caching:
-        assert all(snap["replicas"][r]["cached_blocks"] == 0 for r in replicas)
+        assert all(snap.replicas[r].cached_blocks == 0 for r in replicas)
 
 
 def test_a_store_that_dies_is_replaced_and_the_engines_reattach(

@@ -48,15 +48,13 @@ def test_requests_follow_the_replica_whose_engine_cached_their_prefix(
     prefix_app: Served,
 ) -> None:
     block = prefix_app.config.engine.kv_block_size
-    wait_until(
-        lambda: len(router_snapshot(prefix_app)["replicas"]) == 2, 60, "2 replicas"
-    )
+    wait_until(lambda: len(router_snapshot(prefix_app).replicas) == 2, 60, "2 replicas")
 
     def blocks(replica: str) -> int:
-        return int(router_snapshot(prefix_app)["replicas"][replica]["cached_blocks"])
+        return int(router_snapshot(prefix_app).replicas[replica].cached_blocks)
 
     for shared in (unique_prompt(4 * block), unique_prompt(4 * block)):
-        held = {r: blocks(r) for r in router_snapshot(prefix_app)["replicas"]}
+        held = {r: blocks(r) for r in router_snapshot(prefix_app).replicas}
         _, first, _ = run(prefix_app, greedy(shared + unique_prompt(5), 2))
         home = first.replica_id
 
@@ -70,6 +68,6 @@ def test_requests_follow_the_replica_whose_engine_cached_their_prefix(
             assert fin.replica_id == home
             assert fin.cached_tokens == 4 * block  # the engine's own cache
     snap = router_snapshot(prefix_app)
-    assert snap["routed"].get("prefix", 0) == 8, snap["routed"]
+    assert snap.routed.get("prefix", 0) == 8, snap.routed
     # 8 of the 10 requests found their 4 blocks where they were sent.
-    assert snap["prefix_hit_rate"] == pytest.approx(8 * 4 / (10 * 4))
+    assert snap.prefix_hit_rate == pytest.approx(8 * 4 / (10 * 4))

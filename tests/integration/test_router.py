@@ -7,13 +7,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 import httpx
 
 from deployments.proto import inference_pb2 as pb
 from router import actor as router_actor
+from router.stats import RouterStats
 from tests.integration.conftest import Served, metric_lines, wait_until
 
 
@@ -56,12 +56,12 @@ def generate(
         return Result(e.code(), e.details() or "", time.monotonic() - t0, tokens, "")
 
 
-def router_snapshot(served: Served) -> dict[str, Any]:
+def router_snapshot(served: Served) -> RouterStats:
     import ray
 
     name = router_actor.actor_name(served.config.server.app_name)
     handle = ray.get_actor(name, namespace=router_actor.NAMESPACE)
-    snap: dict[str, Any] = ray.get(handle.snapshot.remote(), timeout=30)
+    snap: RouterStats = ray.get(handle.snapshot.remote(), timeout=30)
     return snap
 
 
@@ -143,7 +143,7 @@ def test_router_killed_mid_load_loses_no_request(served: Served) -> None:
     assert all(r.tokens == 48 for r in results)
 
     def rebuilt() -> bool:
-        return len(router_snapshot(served)["replicas"]) == 2
+        return len(router_snapshot(served).replicas) == 2
 
     wait_until(rebuilt, 10, "the restarted router to learn both replicas")
     print(f"router state rebuilt {time.monotonic() - killed_at:.1f} s after the kill")
@@ -186,7 +186,7 @@ def test_a_changed_router_config_replaces_the_router(served: Served) -> None:
         second = router_actor.get_or_create(changed, app, model, replace=True)
         assert second._actor_id != first._actor_id
         assert ray.get(second.config.remote(), timeout=30) == changed
-        assert ray.get(second.snapshot.remote())["policy"] == "weighted_round_robin"
+        assert ray.get(second.snapshot.remote()).policy == "weighted_round_robin"
     finally:
         router_actor.kill(app)
 
@@ -228,8 +228,8 @@ def test_engines_measure_the_tokens_each_expert_routes(served: Served) -> None:
     import random
 
     def windows() -> dict[str, int]:
-        groups = router_snapshot(served)["groups"]
-        return {g: sum(v["expert_tokens"]) for g, v in groups.items()}
+        groups = router_snapshot(served).groups
+        return {g: sum(v.expert_tokens) for g, v in groups.items()}
 
     window_s = served.config.engine.expert_load_window_s
     wait_until(

@@ -210,7 +210,7 @@ def _router_snapshot() -> dict[str, Any]:
     handle = ray.get_actor(
         router_actor.actor_name(APP), namespace=router_actor.NAMESPACE
     )
-    snap: dict[str, Any] = ray.get(handle.snapshot.remote(), timeout=30)
+    snap: dict[str, Any] = ray.get(handle.snapshot.remote(), timeout=30).as_json()
     return snap
 
 

@@ -88,7 +88,7 @@ def _router_latency() -> dict[str, Any]:
         handle = ray.get_actor(
             router_actor.actor_name("moe-cluster"), namespace=router_actor.NAMESPACE
         )
-        snap = ray.get(handle.snapshot.remote())
+        snap = ray.get(handle.snapshot.remote()).as_json()
         rtts = []
         for i in range(300):
             t0 = time.perf_counter()
@@ -128,7 +128,7 @@ def main() -> None:
                 print(f"capacity {capacity:.2f} req/s", flush=True)
             alone = asyncio.run(_open(Workload((REALTIME,), seed=5), args.duration))
             if mode.key == "router":
-                alone["router_ttft_ms"] = _router("snapshot")["ttft_ms"]
+                alone["router_ttft_ms"] = _router("snapshot").as_json()["ttft_ms"]
                 _router("reset_stats")
             bg = ClassSpec(
                 "background",

@@ -55,7 +55,7 @@ def test_dispatches_least_loaded_until_slots_are_full_then_queues() -> None:
     assert submit(core, _t("4")).replica_id == "a"  # type: ignore[union-attr]
     w = submit(core, _t("5"))  # 2 running on each: full
     assert isinstance(w, Waiting)
-    assert core.snapshot()["queued"]["normal"] == 1
+    assert core.snapshot().queued["normal"] == 1
     # realtime uses the reserved slot instead of waiting
     rt = submit(core, _t("r", RT))
     assert isinstance(rt, RouteDecision) and rt.replica_id == "b"
@@ -91,7 +91,7 @@ def test_impossible_deadline_is_shed_at_once() -> None:
         submit(core, _t("1", RT, deadline_s=0.001))
     assert e.value.reason == "deadline" and e.value.retry_after_s == 1.0
     assert "shorter than the expected time to first token (50 ms)" in str(e.value)
-    assert core.snapshot()["shed"] == {"realtime/deadline": 1}
+    assert core.snapshot().shed == {"realtime/deadline": 1}
 
 
 def test_full_class_queue_sheds_with_retry_hint() -> None:
@@ -153,7 +153,7 @@ def test_failing_replica_is_opened_and_probed() -> None:
     for i in range(2):
         d = submit(core, _t(f"x{i}", prompt=1000))  # heavy: keeps choosing "b" next
         core.release(Release(f"x{i}", Outcome.FAILED, ReplicaId("a")))
-    assert core.snapshot()["replicas"]["a"]["breaker"] == "open"
+    assert core.snapshot().replicas["a"].breaker == "open"
     picks = set()
     for i in range(3):
         d = submit(core, _t(f"y{i}"))
@@ -165,7 +165,7 @@ def test_failing_replica_is_opened_and_probed() -> None:
     assert isinstance(probe, RouteDecision)
     assert (probe.replica_id, probe.reason) == ("a", "half-open-probe")
     _ok(core, "p", "a")
-    assert core.snapshot()["replicas"]["a"]["breaker"] == "closed"
+    assert core.snapshot().replicas["a"].breaker == "closed"
     kinds = [(t.key, t.new) for t in core.transitions]
     assert kinds == [("a", "open"), ("a", "half-open"), ("a", "closed")]
 
@@ -174,7 +174,7 @@ def test_cancelled_requests_do_not_count_against_the_replica() -> None:
     core = _core(Clock(), breaker_failures=1)
     submit(core, _t("x"))
     core.release(Release("x", Outcome.CANCELLED, ReplicaId("a")))
-    assert core.snapshot()["replicas"]["a"]["breaker"] == "closed"
+    assert core.snapshot().replicas["a"].breaker == "closed"
 
 
 def test_restarted_router_rebuilds_leases_from_reports() -> None:
@@ -184,14 +184,14 @@ def test_restarted_router_rebuilds_leases_from_reports() -> None:
         RequestProgress(f"s{i}", 10, 3, 10) for i in range(2)
     )  # streams running on a when the router restarted
     core.report(ReplicaReport(ReplicaId("a"), busy, tokens_per_s=50))
-    snap = core.snapshot()["replicas"]["a"]
-    assert snap["running"] == 2 and snap["load_tokens"] == 14
+    snap = core.snapshot().replicas["a"]
+    assert snap.running == 2 and snap.load_tokens == 14
     assert submit(core, _t("new")).replica_id == "b"  # type: ignore[union-attr]
     _ok(core, "s0")  # a stream finished: released...
     core.report(ReplicaReport(ReplicaId("a"), busy))  # ...and a stale report lists it
-    assert core.snapshot()["replicas"]["a"]["running"] == 1
+    assert core.snapshot().replicas["a"].running == 1
     core.report(ReplicaReport(ReplicaId("a"), ()))
-    assert core.snapshot()["replicas"]["a"]["running"] == 0
+    assert core.snapshot().replicas["a"].running == 0
 
 
 def test_dispatched_lease_survives_reports_until_grace() -> None:
@@ -199,10 +199,10 @@ def test_dispatched_lease_survives_reports_until_grace() -> None:
     core = _core(clock)
     submit(core, _t("x"))  # to a
     core.report(ReplicaReport(ReplicaId("a")))  # too early to be listed
-    assert core.snapshot()["replicas"]["a"]["running"] == 1
+    assert core.snapshot().replicas["a"].running == 1
     clock.advance(3.1)
     core.report(ReplicaReport(ReplicaId("a")))
-    assert core.snapshot()["replicas"]["a"]["running"] == 0
+    assert core.snapshot().replicas["a"].running == 0
 
 
 def test_silent_replica_is_dropped() -> None:
@@ -212,7 +212,7 @@ def test_silent_replica_is_dropped() -> None:
     core.report(ReplicaReport(ReplicaId("b")))
     clock.advance(2)
     core.tick()
-    assert list(core.snapshot()["replicas"]) == ["b"]
+    assert list(core.snapshot().replicas) == ["b"]
     assert core.transitions[-1].new == "gone"
 
 
@@ -226,7 +226,7 @@ def test_expert_breaker_defers_background_not_realtime() -> None:
     hot = (8, 0, 0, 0)
     assert isinstance(submit(core, _t("1", NORMAL, expert_hist=hot)), RouteDecision)
     assert isinstance(submit(core, _t("2", NORMAL, expert_hist=hot)), RouteDecision)
-    assert core.snapshot()["hot_experts"] == [0]  # 16 > 10
+    assert core.snapshot().hot_experts == (0,)  # 16 > 10
     bg = submit(core, _t("bg", BG, expert_hist=hot))
     assert isinstance(bg, Waiting)  # deferred
     cool = submit(core, _t("bg-cool", BG, expert_hist=(0, 4, 0, 0)))
@@ -238,7 +238,7 @@ def test_expert_breaker_defers_background_not_realtime() -> None:
     for rid in ("1", "2", "n", "r"):
         _ok(core, rid)
     core.tick()
-    assert core.snapshot()["hot_experts"] == []
+    assert core.snapshot().hot_experts == ()
     released = {w.ticket.request_id for w, _ in core.pump()}
     assert released == {"bg", "n2"}
 
@@ -254,10 +254,10 @@ def test_served_ttft_per_class_counts_the_queue_wait() -> None:
     [(w, _)] = core.pump()
     assert w.ticket.request_id == "rt"
     _ok(core, "rt", ttft=0.1)  # dispatch to first token
-    assert core.snapshot()["ttft_ms"]["realtime"] == pytest.approx(
-        {"p50": 600.0, "p99": 600.0, "n": 1}
-    )
-    assert core.snapshot()["ttft_ms"]["background"] is None
+    served = core.snapshot().ttft_ms["realtime"]
+    assert served is not None and served.n == 1
+    assert (served.p50, served.p99) == pytest.approx((600.0, 600.0))
+    assert core.snapshot().ttft_ms["background"] is None
 
 
 def test_the_snapshot_counts_decisions_and_the_prefix_hit_rate() -> None:
@@ -269,13 +269,13 @@ def test_the_snapshot_counts_decisions_and_the_prefix_hit_rate() -> None:
     core.report(
         ReplicaReport(ReplicaId("b"), kv_events=(KVEvent("stored", hashes[:3]),))
     )
-    assert core.snapshot()["prefix_hit_rate"] is None  # nothing placed yet
+    assert core.snapshot().prefix_hit_rate is None  # nothing placed yet
     d = submit(core, _t("1", block_hashes=hashes))
     assert isinstance(d, RouteDecision) and (d.replica_id, d.cached_blocks) == ("b", 3)
     submit(core, _t("2", block_hashes=block_hashes(list(range(100, 132)), 16)))
     snap = core.snapshot()
-    assert snap["routed"] == {"prefix": 1, "least-loaded": 1}
-    assert snap["prefix_hit_rate"] == 3 / 6
+    assert snap.routed == {"prefix": 1, "least-loaded": 1}
+    assert snap.prefix_hit_rate == 3 / 6
 
 
 def test_a_submit_returns_every_waiting_request_it_dispatched() -> None:
@@ -291,6 +291,6 @@ def test_a_submit_returns_every_waiting_request_it_dispatched() -> None:
     s = core.submit(_t("r", RT))  # realtime goes first, then the queued one
     assert isinstance(s.outcome, RouteDecision)
     assert [w.ticket.request_id for w, _ in s.dispatched] == ["q"]
-    assert core.snapshot()["queued"]["normal"] == 0
+    assert core.snapshot().queued["normal"] == 0
     refused = core.submit(_t("late", BG, deadline_s=1e-4))
     assert isinstance(refused.outcome, Shed) and refused.dispatched == ()

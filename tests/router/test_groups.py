@@ -77,7 +77,7 @@ def test_a_group_takes_work_only_while_every_rank_reports() -> None:
     assert isinstance(submit(core, Ticket("1", NORMAL, 8, 8)), Waiting)
     core.report(_report("r1"))
     core.pump()
-    assert core.snapshot()["groups"]["g"]["serving"]
+    assert core.snapshot().groups["g"].serving
     # Both ranks take work: the group is one replica with two entry ranks.
     placed = {
         submit(core, Ticket(str(i), NORMAL, 8, 8)).replica_id for i in range(2, 5)
@@ -90,7 +90,7 @@ def test_a_group_takes_work_only_while_every_rank_reports() -> None:
     core.tick()
     assert "r1" not in core.replicas
     assert isinstance(submit(core, Ticket("x", RT, 8, 8)), Waiting)
-    assert not core.snapshot()["groups"]["g"]["serving"]
+    assert not core.snapshot().groups["g"].serving
 
 
 def test_a_failing_rank_stops_its_whole_group() -> None:

@@ -37,7 +37,7 @@ async def test_admit_waits_for_a_free_slot() -> None:
     svc.release(Release("1", Outcome.OK, ReplicaId("a"), 0.01))
     second = await asyncio.wait_for(waiting, 1)
     assert second.replica_id == "a" and second.reason == "least-loaded"
-    assert svc.snapshot()["decision_us"]["n"] == 2
+    assert svc.snapshot().decision_us.n == 2
 
 
 async def test_cancelled_admit_leaves_the_queue() -> None:
@@ -48,7 +48,7 @@ async def test_cancelled_admit_leaves_the_queue() -> None:
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
-    assert svc.snapshot()["queued"]["normal"] == 0
+    assert svc.snapshot().queued["normal"] == 0
 
 
 async def test_ticker_sheds_expired_and_reports_transitions() -> None:

@@ -90,9 +90,9 @@ async def test_requests_run_where_the_router_placed_them_and_release() -> None:
     await drain(fe, req("2"))
     assert [r.replica_id for r in opened] == ["a", "a"]  # released before the next
     snap = service.snapshot()
-    assert snap["admitted"]["normal"] == 2
-    assert snap["replicas"]["a"]["running"] == 0
-    assert snap["ttft_estimate_s"] < 0.05  # measured, no longer the 50 ms prior
+    assert snap.admitted["normal"] == 2
+    assert snap.replicas["a"].running == 0
+    assert snap.ttft_estimate_s < 0.05  # measured, no longer the 50 ms prior
 
 
 async def test_a_shed_reaches_the_client_as_itself_with_the_routers_retry_hint() -> (
@@ -117,11 +117,11 @@ async def test_abort_while_queued_leaves_the_router_queue() -> None:
     await asyncio.sleep(0.01)
     queued = asyncio.create_task(drain(fe, req("q")))
     await asyncio.sleep(0.01)
-    assert service.snapshot()["queued"]["normal"] == 1
+    assert service.snapshot().queued["normal"] == 1
     assert fe.abort("q")
     events = await queued
     assert events == [Finish("abort", 3, 0, 0, "")]
-    assert service.snapshot()["queued"]["normal"] == 0
+    assert service.snapshot().queued["normal"] == 0
     for b in busy:
         b.cancel()
     await asyncio.gather(*busy, return_exceptions=True)
@@ -133,7 +133,7 @@ async def test_failures_before_output_are_readmitted_and_open_the_breaker() -> N
     events = await drain(fe, req("1"))
     assert isinstance(events[-1], Finish) and events[-1].replica_id == "b"
     assert [r.replica_id for r in opened] == ["a", "a", "b"]
-    assert service.snapshot()["replicas"]["a"]["breaker"] == "open"
+    assert service.snapshot().replicas["a"].breaker == "open"
 
 
 async def test_failure_mid_stream_is_reported_against_the_replica() -> None:
@@ -145,7 +145,7 @@ async def test_failure_mid_stream_is_reported_against_the_replica() -> None:
     for rid in ("1", "2"):
         with pytest.raises(EngineUnavailable):
             await drain(fe, req(rid))
-    assert service.snapshot()["replicas"]["a"]["breaker"] == "open"
+    assert service.snapshot().replicas["a"].breaker == "open"
 
 
 async def test_the_predicted_expert_histogram_is_recorded_on_the_request(
