@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
+
 from deployments.bench.runner import RequestRecord
 
 PERCENTILES = (50, 90, 99)
@@ -31,21 +33,16 @@ class Slo:
         return self.tpot_ms is None or tpot is None or tpot * 1e3 <= self.tpot_ms
 
 
-def percentile(values: Sequence[float], p: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    if not values:
-        return math.nan
-    xs = sorted(values)
-    k = (len(xs) - 1) * p / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 def latency_stats(values_s: Sequence[float]) -> dict[str, float]:
-    """mean and percentiles, in milliseconds."""
-    ms = [v * 1e3 for v in values_s]
-    out = {"mean": sum(ms) / len(ms) if ms else math.nan}
-    out |= {f"p{p}": percentile(ms, p) for p in PERCENTILES}
+    """mean and percentiles (numpy's linear interpolation), in milliseconds."""
+    if not values_s:
+        return {"mean": math.nan} | {f"p{p}": math.nan for p in PERCENTILES}
+    ms = np.asarray(values_s, dtype=float) * 1e3
+    out = {"mean": float(ms.mean())}
+    out |= {
+        f"p{p}": float(x)
+        for p, x in zip(PERCENTILES, np.percentile(ms, PERCENTILES), strict=True)
+    }
     return out
 
 

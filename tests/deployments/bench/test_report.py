@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from deployments.bench.report import Slo, percentile, summarize, table
+from deployments.bench.report import Slo, latency_stats, summarize, table
 from deployments.bench.runner import RequestRecord
 
 
@@ -35,12 +35,11 @@ def rec(
     )
 
 
-def test_percentile_matches_linear_interpolation() -> None:
-    xs = [1.0, 2.0, 3.0, 4.0]
-    assert percentile(xs, 50) == 2.5
-    assert percentile(xs, 90) == pytest.approx(3.7)
-    assert percentile(xs, 0) == 1.0 and percentile(xs, 100) == 4.0
-    assert math.isnan(percentile([], 50))
+def test_latency_stats_interpolate_linearly_in_ms() -> None:
+    stats = latency_stats([0.001, 0.002, 0.003, 0.004])
+    assert stats["mean"] == pytest.approx(2.5) and stats["p50"] == pytest.approx(2.5)
+    assert stats["p90"] == pytest.approx(3.7)
+    assert all(math.isnan(v) for v in latency_stats([]).values())
 
 
 RECORDS = [
