@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 import numpy as np
 import ray
 
+from cluster.actors import NAMESPACE, singleton_options
 from cluster.config import KVStoreConfig
 from kvstore.block_hash import BlockHash
 from kvstore.directory import Directory, Entry, NodeId
@@ -34,7 +35,6 @@ from kvstore.node_store import Changes, HotKey, NodeStore
 from kvstore.rpc import StoreServer
 
 logger = logging.getLogger("moe_cluster.kvstore")
-NAMESPACE = "moe-cluster"
 
 
 def directory_name(app: str) -> str:
@@ -288,22 +288,8 @@ class _StoreMetrics:
 
 
 def directory(app: str) -> Any:
-    return (
-        ray.remote(KVDirectoryActor)
-        .options(
-            name=directory_name(app),
-            namespace=NAMESPACE,
-            get_if_exists=True,
-            lifetime="detached",
-            max_restarts=-1,
-            max_task_retries=-1,
-            num_cpus=0,
-            # Not in the caller's placement group (an EP group's gang): it would
-            # die with the group and could not be restarted.
-            scheduling_strategy="DEFAULT",
-        )
-        .remote()
-    )
+    options = singleton_options(directory_name(app))
+    return ray.remote(KVDirectoryActor).options(**options).remote()
 
 
 def get_or_create_store(app: str, node_id: NodeId, config: KVStoreConfig) -> Any:

@@ -11,24 +11,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import ray
 
+from cluster.actors import NAMESPACE, singleton_options
+from cluster.checkpoint import Checkpoint
 from cluster.config import RouterConfig
 from router.core import RouterCore
 from router.metrics import RouterMetrics
 from router.service import RouterService
+from router.settings import CoreSettings
 from router.stats import RouterStats
 from router.types import Release, ReplicaReport, RouteDecision, Shed, Ticket
 
 logger = logging.getLogger("moe_cluster.router")
-NAMESPACE = "moe-cluster"
 METRICS_INTERVAL_S = 1.0  # gauges from a snapshot this often
 
 
@@ -37,8 +37,7 @@ def actor_name(app_name: str) -> str:
 
 
 def num_routed_experts(model_path: str) -> int:
-    cfg = json.loads((Path(model_path) / "config.json").read_text())
-    return int(cfg.get("n_routed_experts") or 0)
+    return Checkpoint.read(model_path).num_routed_experts
 
 
 class DeepSeekRouter:
@@ -49,9 +48,12 @@ class DeepSeekRouter:
         (through its kvstore directory) for what each node's store holds."""
         self.incarnation = uuid.uuid4().hex  # a restart forgets every report
         self._stores_of = stores_of
+        self._config = config
         self._metrics = RouterMetrics()
         self._service = RouterService(
-            RouterCore(config, num_experts=num_experts, clock=time.monotonic),
+            RouterCore(
+                CoreSettings.of(config), num_experts=num_experts, clock=time.monotonic
+            ),
             on_transition=self._metrics.transition,
             on_decision=self._metrics.decision,
         )
@@ -85,7 +87,7 @@ class DeepSeekRouter:
         return self._service.snapshot()
 
     async def config(self) -> RouterConfig:
-        return self._service.config
+        return self._config
 
     async def reset_stats(self) -> None:
         """Forgets the latency samples in ``snapshot`` (between benchmark phases)."""
@@ -121,12 +123,12 @@ class DeepSeekRouter:
         replicas share a node."""
         from kvstore import actor as kv_actor
 
-        interval = self._service.config.report_interval_s
+        interval = self._config.report_interval_s
         incarnation, seq = "", -1
         while True:
             try:
                 directory = ray.get_actor(
-                    kv_actor.directory_name(app), namespace=kv_actor.NAMESPACE
+                    kv_actor.directory_name(app), namespace=NAMESPACE
                 )
                 incarnation, changes = await directory.changes.remote(incarnation, seq)
                 self._service.follow_stores(changes)
@@ -165,17 +167,7 @@ def get_or_create(
                 logger.warning("router configuration changed: replacing the router")
                 ray.kill(old, no_restart=True)
     return cls.options(
-        name=actor_name(app_name),
-        namespace=NAMESPACE,
-        get_if_exists=True,
-        lifetime="detached",
-        max_restarts=-1,
-        max_task_retries=-1,
-        max_concurrency=100_000,
-        num_cpus=0,
-        # Not in the caller's placement group (an EP group's gang): it would
-        # die with the group and could not be restarted.
-        scheduling_strategy="DEFAULT",
+        **singleton_options(actor_name(app_name), max_concurrency=100_000)
     ).remote(config, num_routed_experts(model_path), stores_of)
 
 

@@ -14,7 +14,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cluster.config import RouterConfig
 from cluster.qos import QoS
 from kvstore.directory import Entry
 from kvstore.node_store import Changes
@@ -29,6 +28,7 @@ from router.policies import (
 )
 from router.prefix import PrefixView
 from router.replicas import Lease, Replica
+from router.settings import CoreSettings
 from router.stats import GroupStats, Percentiles, ReplicaStats, RouterStats
 from router.types import (
     Counters,
@@ -46,7 +46,7 @@ from router.types import (
 Clock = Callable[[], float]
 
 
-def expert_pressure(load: ExpertLoad | None, config: RouterConfig) -> float:
+def expert_pressure(load: ExpertLoad | None, config: CoreSettings) -> float:
     """A group's measured expert overload: 1.0 is at the configured limit."""
     if load is None:
         return 0.0
@@ -76,14 +76,14 @@ class Submitted:
 
 class RouterCore:
     def __init__(
-        self, config: RouterConfig, *, num_experts: int = 0, clock: Clock
+        self, config: CoreSettings, *, num_experts: int = 0, clock: Clock
     ) -> None:
         self.config = config
         self._clock = clock
         self._num_experts = num_experts
         self.queues = ClassQueues(
-            {q: config.class_weights.of(q) for q in QoS},
-            {q: config.max_queued.of(q) for q in QoS},
+            dict(config.class_weights),
+            dict(config.max_queued),
         )
         self.replicas: dict[ReplicaId, Replica] = {}
         # What each replica can serve from cache: its engine's blocks (from its
@@ -118,7 +118,7 @@ class RouterCore:
                 emit=self.transitions.append,
             )
 
-    def _make_policy(self, config: RouterConfig) -> Policy:
+    def _make_policy(self, config: CoreSettings) -> Policy:
         if config.policy == "weighted_round_robin":
             return WeightedRoundRobin()
         if config.policy == "prefix":

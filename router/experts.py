@@ -14,19 +14,20 @@ import json
 import struct
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-F32 = npt.NDArray[np.float32]
+from cluster.checkpoint import Checkpoint
 
-_DTYPES: dict[str, Any] = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+F32 = npt.NDArray[np.float32]
 
 
 class SafetensorsReader:
-    """Reads named tensors of a (possibly sharded) safetensors checkpoint as float32
-    through memory maps; no torch."""
+    """Reads named tensors of a (possibly sharded) safetensors checkpoint as float32;
+    no torch. ``safetensors`` reads F32 and F16; BF16, which numpy lacks, is read
+    through a memory map as uint16 and widened (a bfloat16 is the top half of a
+    float32)."""
 
     def __init__(self, directory: str | Path) -> None:
         self._dir = Path(directory)
@@ -36,36 +37,35 @@ class SafetensorsReader:
         else:
             weight_map = {}
         self._file_of = weight_map
-        self._headers: dict[str, tuple[int, dict[str, Any]]] = {}
-
-    def _header(self, filename: str) -> tuple[int, dict[str, Any]]:
-        if filename not in self._headers:
-            with open(self._dir / filename, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                self._headers[filename] = (8 + n, json.loads(f.read(n)))
-        return self._headers[filename]
 
     def get(self, name: str) -> F32:
-        filename = self._file_of.get(name, "model.safetensors")
-        offset, header = self._header(filename)
-        if name not in header:
-            raise KeyError(f"{name} not in {self._dir / filename}")
-        meta = header[name]
-        dtype = _DTYPES.get(meta["dtype"])
-        if dtype is None:
-            raise ValueError(f"{name}: unsupported dtype {meta['dtype']}")
-        start, end = meta["data_offsets"]
-        raw = np.memmap(
-            self._dir / filename,
-            dtype=dtype,
-            mode="r",
-            offset=offset + start,
-            shape=tuple(meta["shape"]),
-        )
-        if meta["dtype"] == "BF16":  # bfloat16 is the top half of a float32
-            return (raw.astype(np.uint32) << 16).view(np.float32)
-        assert end - start == raw.nbytes
-        return np.asarray(raw, dtype=np.float32)
+        from safetensors import safe_open
+
+        path = self._dir / self._file_of.get(name, "model.safetensors")
+        with safe_open(str(path), framework="numpy") as f:
+            if name not in f.keys():  # noqa: SIM118 (a safetensors handle)
+                raise KeyError(f"{name} not in {path}")
+            dtype = f.get_slice(name).get_dtype()
+            if dtype == "BF16":
+                return _bf16(path, name)
+            if dtype not in ("F32", "F16"):
+                raise ValueError(f"{name}: unsupported dtype {dtype}")
+            return np.asarray(f.get_tensor(name), dtype=np.float32)
+
+
+def _bf16(path: Path, name: str) -> F32:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))  # the header's length, then JSON
+        meta = json.loads(f.read(n))[name]
+    start, _ = meta["data_offsets"]
+    raw = np.memmap(
+        path,
+        dtype=np.uint16,
+        mode="r",
+        offset=8 + n + start,
+        shape=tuple(meta["shape"]),
+    )
+    return (raw.astype(np.uint32) << 16).view(np.float32)
 
 
 class ExpertPredictor:
@@ -97,25 +97,24 @@ class ExpertPredictor:
 
     @classmethod
     def from_checkpoint(cls, directory: str | Path) -> ExpertPredictor:
-        cfg = json.loads((Path(directory) / "config.json").read_text())
-        if not cfg.get("n_routed_experts"):
+        ckpt = Checkpoint.read(directory)
+        if not ckpt.num_routed_experts:
             raise ValueError(f"{directory}: not a mixture-of-experts checkpoint")
-        layer = int(cfg.get("first_k_dense_replace", 0))
         r = SafetensorsReader(directory)
-        prefix = f"model.layers.{layer}"
+        prefix = f"model.layers.{ckpt.first_dense_layers}"  # the first MoE layer
         bias = None
-        if cfg.get("topk_method") == "noaux_tc":
+        if ckpt.gate_bias:
             bias = r.get(f"{prefix}.mlp.gate.e_score_correction_bias")
         return cls(
             r.get("model.embed_tokens.weight"),
             r.get(f"{prefix}.post_attention_layernorm.weight"),
             r.get(f"{prefix}.mlp.gate.weight"),
-            top_k=int(cfg["num_experts_per_tok"]),
-            n_group=int(cfg.get("n_group") or 1),
-            topk_group=int(cfg.get("topk_group") or 1),
-            scoring=str(cfg.get("scoring_func", "softmax")),
+            top_k=ckpt.experts_per_token,
+            n_group=ckpt.num_expert_groups,
+            topk_group=ckpt.topk_groups,
+            scoring=ckpt.scoring,
             bias=bias,
-            eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            eps=ckpt.rms_norm_eps,
         )
 
     def experts_of(self, token_ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int32]:

@@ -14,7 +14,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from cluster.config import RouterConfig
 from kvstore.directory import Entry
 from kvstore.node_store import Changes
 from router.admission import Waiting
@@ -169,10 +168,6 @@ class RouterService:
         return self.core.snapshot().with_service(
             tuple(self.recent_transitions), Percentiles.of(self.decision_s, 1e6)
         )
-
-    @property
-    def config(self) -> RouterConfig:
-        return self.core.config
 
     def reset_stats(self) -> None:
         """Forgets the latency samples (between benchmark phases)."""

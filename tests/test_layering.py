@@ -51,3 +51,28 @@ def test_torch_and_vllm_only_where_an_engine_runs(package: str) -> None:
         # itself loads without them (the ingress and the router never pull them).
         bad = _imports(path, top_level=True) & {"torch", "vllm"}
         assert not bad, f"{rel} imports {sorted(bad)}"
+
+
+def _modules(path: Path) -> set[str]:
+    """The modules ``path`` itself imports at load (not under TYPE_CHECKING)."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+    return names
+
+
+def test_the_router_core_reads_plain_settings_not_the_pydantic_config() -> None:
+    # The actor builds CoreSettings from the config section; the pure core (and
+    # everything it loads) never sees pydantic or YAML.
+    for path in sorted((ROOT / "router").glob("*.py")):
+        if path.name == "actor.py":
+            continue
+        bad = {
+            m
+            for m in _modules(path)
+            if m in ("cluster.config", "yaml") or m.split(".")[0] == "pydantic"
+        }
+        assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"

@@ -12,15 +12,14 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
-import json
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 
+from cluster.checkpoint import Checkpoint
 from deployments.ingress.errors import (
     CLIENT_ERRORS,
     AlreadyInFlight,
@@ -88,22 +87,19 @@ class ModelFacts:
 
     @classmethod
     def from_checkpoint(cls, path: str, name: str, max_model_len: int) -> ModelFacts:
-        cfg: dict[str, Any] = json.loads((Path(path) / "config.json").read_text())
-        layers = int(cfg["num_hidden_layers"])
-        routed = int(cfg.get("n_routed_experts") or 0)
-        dense = int(cfg.get("first_k_dense_replace", 0)) if routed else layers
+        ckpt = Checkpoint.read(path)
         return cls(
             name=name,
-            architecture=(cfg.get("architectures") or ["unknown"])[0],
-            max_context=min(max_model_len, int(cfg["max_position_embeddings"])),
-            vocab_size=int(cfg["vocab_size"]),
-            num_layers=layers,
-            num_moe_layers=layers - dense,
-            num_routed_experts=routed,
-            num_shared_experts=int(cfg.get("n_shared_experts") or 0),
-            experts_per_token=int(cfg.get("num_experts_per_tok") or 0),
-            num_expert_groups=int(cfg.get("n_group") or 1),
-            topk_groups=int(cfg.get("topk_group") or 1),
+            architecture=ckpt.architecture,
+            max_context=min(max_model_len, ckpt.max_positions),
+            vocab_size=ckpt.vocab_size,
+            num_layers=ckpt.num_layers,
+            num_moe_layers=ckpt.num_moe_layers,
+            num_routed_experts=ckpt.num_routed_experts,
+            num_shared_experts=ckpt.num_shared_experts,
+            experts_per_token=ckpt.experts_per_token,
+            num_expert_groups=ckpt.num_expert_groups,
+            topk_groups=ckpt.topk_groups,
         )
 
 

@@ -8,6 +8,7 @@ INVALID_ARGUMENT instead of gRPC's opaque "Exception deserializing request".
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -195,17 +196,6 @@ def finished_message(rid: str, f: Finish) -> pb.GenerateResponse:
 
 
 def model_info(facts: ModelFacts, replicas: int) -> pb.ModelInfo:
-    return pb.ModelInfo(
-        model=facts.name,
-        architecture=facts.architecture,
-        max_context=facts.max_context,
-        vocab_size=facts.vocab_size,
-        num_layers=facts.num_layers,
-        num_moe_layers=facts.num_moe_layers,
-        num_routed_experts=facts.num_routed_experts,
-        num_shared_experts=facts.num_shared_experts,
-        experts_per_token=facts.experts_per_token,
-        num_expert_groups=facts.num_expert_groups,
-        topk_groups=facts.topk_groups,
-        engine_replicas=replicas,
-    )
+    fields = dataclasses.asdict(facts)
+    fields["model"] = fields.pop("name")  # every other field has the proto's name
+    return pb.ModelInfo(**fields, engine_replicas=replicas)

@@ -38,6 +38,7 @@ from cluster.qos import QoS
 from kvstore.block_hash import BlockHash, block_hashes
 from kvstore.node_store import Changes
 from router.core import RouterCore
+from router.settings import CoreSettings
 from router.types import KVEvent, Outcome, Release, ReplicaId, ReplicaReport, Ticket
 
 CHAIN = 8  # blocks per stored prompt prefix
@@ -99,7 +100,7 @@ def router(policy: str = "prefix") -> RouterCore:
             "realtime_reserved_slots": 0,
         }
     )
-    return RouterCore(cfg, clock=time.monotonic)
+    return RouterCore(CoreSettings.of(cfg), clock=time.monotonic)
 
 
 def size(obj: object) -> int:

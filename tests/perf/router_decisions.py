@@ -20,6 +20,7 @@ from cluster.config import RouterConfig
 from cluster.qos import QoS
 from kvstore.block_hash import block_hashes
 from router.core import RouterCore
+from router.settings import CoreSettings
 from router.types import (
     KVEvent,
     Outcome,
@@ -44,7 +45,7 @@ def run(policy: str, replicas: int, n: int) -> tuple[float, float]:
         }
     )
     clock = [0.0]
-    core = RouterCore(cfg, num_experts=EXPERTS, clock=lambda: clock[0])
+    core = RouterCore(CoreSettings.of(cfg), num_experts=EXPERTS, clock=lambda: clock[0])
     rng = random.Random(0)
     prompts = [[rng.randrange(1000) for _ in range(256)] for _ in range(32)]
     hashes = [block_hashes(p, 16) for p in prompts]

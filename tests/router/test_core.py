@@ -6,6 +6,7 @@ from cluster.config import RouterConfig
 from cluster.qos import QoS
 from router.admission import Waiting
 from router.core import RouterCore
+from router.settings import CoreSettings
 from router.types import (
     Outcome,
     Release,
@@ -29,7 +30,7 @@ def _core(clock: Clock, **kw: Any) -> RouterCore:
         "max_queued": {"realtime": 10, "normal": 10, "background": 3},
     }
     cfg = RouterConfig.model_validate({**defaults, **kw})
-    core = RouterCore(cfg, num_experts=4, clock=clock)
+    core = RouterCore(CoreSettings.of(cfg), num_experts=4, clock=clock)
     for r in ("a", "b"):
         core.report(ReplicaReport(ReplicaId(r)))
     return core

@@ -60,3 +60,18 @@ def test_reader_matches_safetensors(tiny_model: Path) -> None:
     r = SafetensorsReader(tiny_model)
     name = "model.layers.1.mlp.gate.weight"
     assert np.array_equal(r.get(name), want[name])
+
+
+def test_reader_widens_bf16_exactly(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    w = torch.randn(5, 7).to(torch.bfloat16)
+    save_file(
+        {"g": w, "f16": torch.randn(3).half()}, str(tmp_path / "model.safetensors")
+    )
+    r = SafetensorsReader(tmp_path)
+    assert np.array_equal(r.get("g"), w.float().numpy())
+    assert r.get("f16").dtype == np.float32
+    with pytest.raises(KeyError, match="nope"):
+        r.get("nope")

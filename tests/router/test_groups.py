@@ -10,6 +10,7 @@ from cluster.qos import QoS
 from router.admission import Waiting
 from router.breakers import GroupExpertBreaker
 from router.core import RouterCore, expert_pressure
+from router.settings import CoreSettings
 from router.types import (
     ExpertLoad,
     Outcome,
@@ -45,7 +46,7 @@ def _core(clock: Clock, **kw: Any) -> RouterCore:
     cfg = RouterConfig.model_validate(
         {"max_running_per_replica": 4, "realtime_reserved_slots": 1, **kw}
     )
-    return RouterCore(cfg, num_experts=4, clock=clock)
+    return RouterCore(CoreSettings.of(cfg), num_experts=4, clock=clock)
 
 
 def test_expert_load_merges_ranks_and_measures_imbalance() -> None:

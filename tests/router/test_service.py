@@ -6,6 +6,7 @@ from cluster.config import RouterConfig
 from cluster.qos import QoS
 from router.core import RouterCore
 from router.service import RouterService
+from router.settings import CoreSettings
 from router.types import (
     Outcome,
     Release,
@@ -21,7 +22,9 @@ from tests.router.clock import Clock
 def _service(clock: Clock, transitions: list[Transition]) -> RouterService:
     cfg = RouterConfig(max_running_per_replica=1, realtime_reserved_slots=0)
     svc = RouterService(
-        RouterCore(cfg, clock=clock), tick_s=0.01, on_transition=transitions.append
+        RouterCore(CoreSettings.of(cfg), clock=clock),
+        tick_s=0.01,
+        on_transition=transitions.append,
     )
     svc.report(ReplicaReport(ReplicaId("a")))
     return svc
@@ -79,7 +82,7 @@ async def test_requests_dispatched_while_another_is_shed_are_delivered() -> None
             "max_queued": {"realtime": 1, "normal": 1, "background": 0},
         }
     )
-    svc = RouterService(RouterCore(cfg, clock=Clock()))
+    svc = RouterService(RouterCore(CoreSettings.of(cfg), clock=Clock()))
     queued = asyncio.create_task(svc.admit(Ticket("q", QoS.NORMAL, 4, 4)))
     await asyncio.sleep(0)  # no replica yet: it waits
     # The replica appears in the core only (no pump); then a background request,

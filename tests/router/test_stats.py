@@ -3,6 +3,7 @@ import json
 from cluster.config import RouterConfig
 from cluster.qos import QoS
 from router.core import RouterCore
+from router.settings import CoreSettings
 from router.stats import Percentiles
 from router.types import Outcome, Release, ReplicaId, ReplicaReport, Ticket, Transition
 from tests.router.clock import Clock
@@ -18,7 +19,7 @@ def test_percentiles_of_samples() -> None:
 
 def test_the_snapshot_is_typed_and_prints_as_json() -> None:
     clock = Clock()
-    core = RouterCore(RouterConfig(), clock=clock)
+    core = RouterCore(CoreSettings.of(RouterConfig()), clock=clock)
     core.report(ReplicaReport(ReplicaId("a"), node_id="n1"))
     submit(core, Ticket("t1", QoS.REALTIME, 8, 4))
     clock.advance(0.2)

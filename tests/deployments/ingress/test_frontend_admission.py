@@ -17,9 +17,11 @@ from deployments.protocol import EngineRequest, Finish, Sampling, Started, Token
 from router.core import RouterCore
 from router.experts import ExpertPredictor
 from router.service import RouterService
+from router.settings import CoreSettings
 from router.tickets import TicketMaker
 from router.types import ReplicaId, ReplicaReport, Shed
 from tests.deployments.ingress.test_frontend import FACTS, ScriptedStream
+from tests.waiting import until
 
 
 class LocalAdmission:
@@ -36,6 +38,10 @@ class LocalAdmission:
         self.service.release(release)
 
 
+def running(service: RouterService) -> int:
+    return sum(r.running for r in service.snapshot().replicas.values())
+
+
 def setup(
     *scripts: list[Any], slots: int = 1, queue: int = 8
 ) -> tuple[Frontend, RouterService, list[EngineRequest]]:
@@ -47,7 +53,7 @@ def setup(
             "max_queued": dict.fromkeys(("realtime", "normal", "background"), queue),
         }
     )
-    service = RouterService(RouterCore(cfg, clock=lambda: 0.0))
+    service = RouterService(RouterCore(CoreSettings.of(cfg), clock=lambda: 0.0))
     for r in ("a", "b"):
         service.report(ReplicaReport(ReplicaId(r)))
     opened: list[EngineRequest] = []
@@ -98,10 +104,10 @@ async def test_requests_run_where_the_router_placed_them_and_release() -> None:
 async def test_a_shed_reaches_the_client_as_itself_with_the_routers_retry_hint() -> (
     None
 ):
-    fe, _, _ = setup(["hang"], ["hang"], slots=1, queue=0)
+    fe, service, _ = setup(["hang"], ["hang"], slots=1, queue=0)
     first = asyncio.create_task(drain(fe, req("1")))
     second = asyncio.create_task(drain(fe, req("2")))
-    await asyncio.sleep(0.01)
+    await until(lambda: running(service) == 2, "both replicas busy")
     with pytest.raises(Shed, match="queue is full") as e:
         await drain(fe, req("3"))
     assert e.value.retry_after_s == 1.0 and e.value.reason == "queue-full"
@@ -114,10 +120,9 @@ async def test_a_shed_reaches_the_client_as_itself_with_the_routers_retry_hint()
 async def test_abort_while_queued_leaves_the_router_queue() -> None:
     fe, service, _ = setup(["hang"], ["hang"], slots=1)
     busy = [asyncio.create_task(drain(fe, req(f"busy{i}"))) for i in range(2)]
-    await asyncio.sleep(0.01)
+    await until(lambda: running(service) == 2, "both replicas busy")
     queued = asyncio.create_task(drain(fe, req("q")))
-    await asyncio.sleep(0.01)
-    assert service.snapshot().queued["normal"] == 1
+    await until(lambda: service.snapshot().queued["normal"] == 1, "q queued")
     assert fe.abort("q")
     events = await queued
     assert events == [Finish("abort", 3, 0, 0, "")]
