@@ -70,4 +70,4 @@ bench-kv: model
 # group: placement, expert-load histograms, breaker, recovery after a rank is killed.
 bench-ep: model
 	$(BIN)/python -m tests.perf.ep_group
-	$(BIN)/python -m tests.ep.two_nodes $(MODEL) | grep '^{"phase"'
+	$(BIN)/python -m tests.ep.two_nodes $(MODEL) .models/ep-phases.pickle | grep '^phase'

@@ -84,4 +84,13 @@ class EngineStats:
     prefix_caching: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class Pin:
+    """Sends a call that carries no ``EngineRequest`` (``stats``) to the replica
+    ``replica_id``; one that has left answers from another (check the reply's
+    ``replica_id``)."""
+
+    replica_id: str
+
+
 EngineEvent = Started | TokenDelta | Finish

@@ -223,7 +223,12 @@ class NodeStoreActor:
 
     def summary(self) -> dict[str, Any]:
         arena = self.store.arena.name if self.store.arena is not None else ""
-        return {"node": self.node_id, "arena": arena, **self.store.summary()}
+        return {
+            "node": self.node_id,
+            "arena": arena,
+            "mirror": self.mirror.summary(),  # pages per node, as last synced
+            **self.store.summary(),
+        }
 
     def changes(self, incarnation: str, since: int) -> tuple[str, Changes[BlockHash]]:
         """Page changes after ``since`` of the store ``incarnation`` (everything,

@@ -25,7 +25,7 @@ from deployments.engine.reporter import Reporter
 from deployments.engine.vllm_engine import VLLMEngine
 from deployments.ep import group as ep_group
 from deployments.ep.group import GroupRank
-from deployments.protocol import EngineEvent, EngineRequest, EngineStats
+from deployments.protocol import EngineEvent, EngineRequest, EngineStats, Pin
 
 logger = logging.getLogger("moe_cluster.engine")
 
@@ -181,7 +181,8 @@ class EngineServer:
     async def abort(self, request_id: str) -> None:
         await self._engine.abort(request_id)
 
-    async def stats(self) -> EngineStats:
+    async def stats(self, pin: Pin | None = None) -> EngineStats:
+        """This replica's stats (``pin`` chose the replica; see ``Pin``)."""
         return self._engine.stats(self._node_id, self._group)
 
     async def check_health(self) -> None:

@@ -2,8 +2,9 @@
 placed it.
 
 The DeepSeekRouter already decided admission order and replica; Serve's job is only
-delivery. The chosen replica travels in ``EngineRequest.replica_id``. Requests
-without one (stats, aborts, router disabled) may go to any replica, and a request
+delivery. The chosen replica travels in ``EngineRequest.replica_id`` (or in a
+``Pin``, for a call without a request). Calls without one (aborts, stats, router
+disabled) may go to any replica, and a request
 whose replica has left the candidate set (it died, or was just replaced) goes to
 any other: the ingress learns where it ran from the stream's ``Started`` event.
 """
@@ -15,14 +16,14 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from deployments.protocol import EngineRequest
+from deployments.protocol import EngineRequest, Pin
 
 
 def target_of(pending: PendingRequest | None) -> str:
     if pending is None or not pending.args:
         return ""
     request: Any = pending.args[0]
-    return request.replica_id if isinstance(request, EngineRequest) else ""
+    return request.replica_id if isinstance(request, EngineRequest | Pin) else ""
 
 
 class PinnedRequestRouter(RequestRouter):

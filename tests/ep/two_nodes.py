@@ -1,6 +1,6 @@
 """An EP group of 2 ranks on a 2-node Ray cluster started in-process.
 
-    .venv/bin/python -m tests.ep.two_nodes MODEL_DIR   # prints one JSON line a phase
+    .venv/bin/python -m tests.ep.two_nodes MODEL_DIR OUT   # pickles the phases to OUT
 
 Each node has one CPU and one unit of an accelerator-like resource (``accel``),
 and the group asks one ``accel`` per rank under the spread strategy, so its ranks
@@ -18,14 +18,16 @@ must land one per node. Phases:
 - ``recovery``: one rank's process is killed; how long the router keeps sending
   the group work, and how long until the whole group serves again.
 
-Run in its own process by ``test_ep_group`` (a process joins one Ray cluster).
+Run in its own process by ``test_ep_group`` (a process joins one Ray cluster),
+which asserts on what each phase recorded: the replicas' own ``EngineStats``, the
+router's ``GroupStats`` and breaker ``Transition``s, and the HTTP answers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
+import pickle
 import random
 import signal
 import sys
@@ -39,9 +41,11 @@ from ray.cluster_utils import Cluster
 
 from cluster.config import ClusterConfig
 from deployments.app import GRPC_SERVICERS, build_app, prepare_model
+from deployments.protocol import EngineStats
 from router import actor as router_actor
-from router.stats import RouterStats
-from tests.integration.conftest import ENGINE, free_port
+from router.stats import GroupStats, RouterStats
+from tests.integration.conftest import ENGINE, engine_stats, free_port
+from tests.waiting import wait_until
 
 APP = "ep-two-nodes"
 SKEWED_TOKEN = 7
@@ -85,8 +89,12 @@ def config(model: str, http_port: int, grpc_port: int) -> ClusterConfig:
     )
 
 
+PHASES: dict[str, dict[str, Any]] = {}  # what each phase recorded, by phase
+
+
 def emit(phase: str, **data: Any) -> None:
-    print(json.dumps({"phase": phase, **data}), flush=True)
+    PHASES[phase] = data
+    print(f"phase {phase}: {data!r}", flush=True)
 
 
 def main(model: str) -> None:
@@ -121,10 +129,7 @@ def main(model: str) -> None:
         "placement",
         startup_s=round(startup_s, 1),
         nodes=len({n["NodeID"] for n in ray.nodes() if n["Alive"]}),
-        ranks=[
-            {"rank": s.rank, "node": s.node_id, "group": s.group, "size": s.group_size}
-            for s in ranks
-        ],
+        ranks=ranks,
     )
     base = f"http://127.0.0.1:{http_port}"
     asyncio.run(workloads(base, cfg, router))
@@ -135,21 +140,20 @@ def main(model: str) -> None:
     cluster.shutdown()
 
 
-def rank_stats(handle: Any, n: int, exclude_group: str = "") -> list[Any]:
-    """Stats of ``n`` distinct replicas (calls land on random replicas)."""
-    seen: dict[str, Any] = {}
-    deadline = time.monotonic() + 300
-    while len(seen) < n:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"saw only {sorted(seen)}")
+def rank_stats(handle: Any, n: int, exclude_group: str = "") -> list[EngineStats]:
+    """Stats of ``n`` ranks outside ``exclude_group``, each replica asked by name,
+    once that many are up."""
+
+    def ranks() -> list[EngineStats] | None:
         try:
-            s = handle.stats.remote().result(timeout_s=5)
-        except Exception:
-            time.sleep(0.5)
-            continue
-        if s.group != exclude_group:
-            seen[s.replica_id] = s
-    return sorted(seen.values(), key=lambda s: s.rank)
+            stats = engine_stats(handle)
+        except Exception:  # a replica going or coming between listing and asking
+            return None
+        new = [s for s in stats.values() if s.group != exclude_group]
+        return sorted(new, key=lambda s: s.rank) if len(new) >= n else None
+
+    found: list[EngineStats] = wait_until(ranks, 300, f"{n} ranks up")
+    return found
 
 
 def prompts(seed: int, n: int, length: int) -> list[list[int]]:
@@ -201,7 +205,7 @@ async def workloads(base: str, cfg: ClusterConfig, router: Any) -> None:
         emit("greedy", prompts=GREEDY_PROMPTS, texts=greedy)
 
         window = cfg.engine.expert_load_window_s + cfg.router.report_interval_s * 3
-        histograms = {}
+        histograms: dict[str, GroupStats] = {}
         for name, batch in (
             ("uniform", prompts(5, 6, 300)),
             ("skewed", [[SKEWED_TOKEN] * 300] * 6),
@@ -215,11 +219,7 @@ async def workloads(base: str, cfg: ClusterConfig, router: Any) -> None:
             )
             await asyncio.sleep(cfg.router.report_interval_s * 3)
             snap = await groups(router)
-            [g] = snap.groups.values()
-            histograms[name] = {
-                "expert_tokens": g.expert_tokens,
-                "max_imbalance": g.max_imbalance,
-            }
+            [histograms[name]] = snap.groups.values()
         emit("expert_load", **histograms)
         await asyncio.sleep(window)
         await breaker(client, router)
@@ -271,7 +271,7 @@ async def breaker(client: httpx.AsyncClient, router: Any) -> None:
         "breaker",
         timeline=timeline,
         requests=sorted(results, key=lambda r: r["sent"]),
-        transitions=[t for t in snap.as_json()["transitions"] if t["kind"] == "group"],
+        transitions=[t for t in snap.transitions if t.kind == "group"],
     )
 
 
@@ -298,9 +298,9 @@ def recovery(
         router_stopped_s=None if stopped_s is None else round(stopped_s, 2),
         group_ready_s=round(ready_s, 1),
         first_answer_s=round(served_s, 1),
-        new_group=[{"rank": s.rank, "node": s.node_id, "group": s.group} for s in new],
+        new_group=new,
         old_group=old_group,
-        old_nodes=[s.node_id for s in ranks],
+        old_ranks=ranks,
         text=answer["text"],
     )
 
@@ -314,4 +314,8 @@ async def first_answer(base: str) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    try:
+        main(sys.argv[1])
+    finally:
+        with open(sys.argv[2], "wb") as f:
+            pickle.dump(PHASES, f)

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ import pytest
 from cluster.config import ClusterConfig
 from cluster.platform import EnginePlatform
 from deployments.ingress.client import InferenceClient
+from tests.waiting import wait_until  # noqa: F401 (the tests import it from here)
 
 API_KEY = "test-key-123"
 
@@ -208,14 +208,33 @@ def engine_handle(served: Served) -> Any:
     return serve.get_deployment_handle("Engine", served.config.server.app_name)
 
 
-def engine_stats(engine_handle: Any) -> dict[str, Any]:
-    """``EngineStats`` of each engine replica, by replica id.
+def engine_replica_ids(engine_handle: Any) -> list[str]:
+    """The live replicas of the handle's deployment: Serve names each replica's
+    actor ``SERVE_REPLICA::<app>#<deployment>#<replica id>``."""
+    import ray
 
-    The handle picks a replica at random per call; 20 calls reach both replicas
-    except with probability 2**-19.
-    """
-    stats = [engine_handle.stats.remote().result(timeout_s=30) for _ in range(20)]
-    return {s.replica_id: s for s in stats}
+    prefix = f"SERVE_REPLICA::{engine_handle.app_name}#{engine_handle.deployment_name}#"
+    return sorted(
+        a["name"].removeprefix(prefix)
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(prefix)
+    )
+
+
+def engine_stats(engine_handle: Any) -> dict[str, Any]:
+    """``EngineStats`` of each live engine replica, by replica id: each asked by
+    name (``Pin``); one that left meanwhile is left out."""
+    from deployments.protocol import Pin
+
+    out = {}
+    for rid in engine_replica_ids(engine_handle):
+        try:
+            s = engine_handle.stats.remote(Pin(rid)).result(timeout_s=30)
+        except Exception:  # it is going away: leave it out
+            continue
+        if s.replica_id == rid:
+            out[rid] = s
+    return out
 
 
 def metric_lines(served: Served, name: str) -> list[str]:
@@ -227,15 +246,3 @@ def metric_lines(served: Served, name: str) -> list[str]:
     except httpx.HTTPError:
         return []
     return [line for line in body.splitlines() if line.startswith(name + "{")]
-
-
-def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Polls ``condition`` until it returns a truthy value or ``timeout`` passes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.1)

@@ -4,7 +4,7 @@ engines."""
 
 from __future__ import annotations
 
-import json
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
+from deployments.protocol import EngineStats
+from router.stats import GroupStats
+from router.types import Transition
 from tests.ep.two_nodes import MAX_IMBALANCE
 from tests.integration.conftest import Served
 
@@ -21,33 +24,32 @@ pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
-def phases(tiny_model: Path) -> dict[str, dict[str, Any]]:
+def phases(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    results = tmp_path_factory.mktemp("ep") / "phases.pickle"
     out = subprocess.run(
-        [sys.executable, "-m", "tests.ep.two_nodes", str(tiny_model)],
+        [sys.executable, "-m", "tests.ep.two_nodes", str(tiny_model), str(results)],
         capture_output=True,
         text=True,
         timeout=840,
         check=False,
     )
-    found = {}
-    for line in out.stdout.splitlines():
-        if line.startswith('{"phase"'):
-            data = json.loads(line)
-            found[data.pop("phase")] = data
+    found: dict[str, dict[str, Any]] = (
+        pickle.loads(results.read_bytes()) if results.exists() else {}
+    )
     assert out.returncode == 0 and "recovery" in found, (
         out.stdout[-3000:] + out.stderr[-3000:]
     )
-    print(json.dumps({k: v for k, v in found.items() if k != "greedy"}))
+    print({k: v for k, v in found.items() if k != "greedy"})
     return found
 
 
 def test_spread_places_one_rank_per_node(phases: dict[str, Any]) -> None:
     p = phases["placement"]
     assert p["nodes"] == 2
-    ranks = p["ranks"]
-    assert [r["rank"] for r in ranks] == [0, 1]
-    assert ranks[0]["node"] != ranks[1]["node"]
-    assert ranks[0]["group"] == ranks[1]["group"] and ranks[0]["size"] == 2
+    ranks: list[EngineStats] = p["ranks"]
+    assert [r.rank for r in ranks] == [0, 1]
+    assert ranks[0].node_id != ranks[1].node_id
+    assert ranks[0].group == ranks[1].group and ranks[0].group_size == 2
 
 
 def test_group_gives_a_single_ranks_greedy_tokens(
@@ -75,14 +77,14 @@ def test_group_gives_a_single_ranks_greedy_tokens(
 
 
 def test_expert_load_is_measured_skewed_and_uniform(phases: dict[str, Any]) -> None:
-    load = phases["expert_load"]
+    load: dict[str, GroupStats] = phases["expert_load"]
     uniform, skewed = load["uniform"], load["skewed"]
-    assert uniform["max_imbalance"] < 2.5 < MAX_IMBALANCE < skewed["max_imbalance"]
+    assert uniform.max_imbalance < 2.5 < MAX_IMBALANCE < skewed.max_imbalance
     # 6 prompts x 300 tokens (+ 4 decode steps), 3 MoE layers, 2 experts a token.
-    assert sum(skewed["expert_tokens"]) >= 6 * 300 * 3 * 2
-    top = sorted(skewed["expert_tokens"], reverse=True)[:6]  # 2 a layer at most
-    assert sum(top) > 0.9 * sum(skewed["expert_tokens"])
-    assert min(uniform["expert_tokens"]) > 0
+    assert sum(skewed.expert_tokens) >= 6 * 300 * 3 * 2
+    top = sorted(skewed.expert_tokens, reverse=True)[:6]  # 2 a layer at most
+    assert sum(top) > 0.9 * sum(skewed.expert_tokens)
+    assert min(uniform.expert_tokens) > 0
 
 
 def test_expert_breaker_defers_skewed_traffic_and_recovers(
@@ -90,6 +92,9 @@ def test_expert_breaker_defers_skewed_traffic_and_recovers(
 ) -> None:
     b = phases["breaker"]
     states = [state for _, state, _ in b["timeline"]]
+    # The router's own record of the group breaker agrees with what was polled.
+    moved: list[Transition] = b["transitions"]
+    assert {"open", "open-normal"} & {t.new for t in moved}
     assert states[0] == "closed" and states[-1] == "closed"
     assert {"open", "open-normal"} & set(states) and "half-open" in states
     requests = b["requests"]
@@ -108,8 +113,8 @@ def test_expert_breaker_defers_skewed_traffic_and_recovers(
 def test_a_killed_rank_restarts_the_whole_group(phases: dict[str, Any]) -> None:
     r = phases["recovery"]
     assert r["router_stopped_s"] is not None and r["router_stopped_s"] < 10
-    new = r["new_group"]
-    assert len({rank["group"] for rank in new}) == 1
-    assert new[0]["group"] != r["old_group"]
-    assert {rank["node"] for rank in new} == set(r["old_nodes"])
+    new: list[EngineStats] = r["new_group"]
+    assert len({rank.group for rank in new}) == 1
+    assert new[0].group != r["old_group"]
+    assert {rank.node_id for rank in new} == {rank.node_id for rank in r["old_ranks"]}
     assert r["text"] == phases["greedy"]["texts"][0]

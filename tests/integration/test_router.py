@@ -91,7 +91,11 @@ def test_realtime_keeps_its_deadline_under_a_background_flood(served: Served) ->
             pool.submit(generate, served, [40 + i, 41, 42], 96, pb.BACKGROUND)
             for i in range(flood_n)
         ]
-        time.sleep(1.0)  # the flood fills every slot and the background queue
+        wait_until(
+            lambda: router_snapshot(served).queued["background"] > 0,
+            30,
+            "the flood to fill every slot and queue behind them",
+        )
         realtime = []
         for i in range(realtime_n):
             realtime.append(
@@ -99,7 +103,7 @@ def test_realtime_keeps_its_deadline_under_a_background_flood(served: Served) ->
                     generate, served, [300 + i, 5], 16, pb.REALTIME, deadline_ms
                 )
             )
-            time.sleep(0.2)
+            time.sleep(0.2)  # pacing: realtime arrives while the flood runs
         rt = [f.result() for f in realtime]
         bg = [f.result() for f in flood]
     assert [r.code for r in rt] == [grpc.StatusCode.OK] * realtime_n, rt
@@ -127,15 +131,20 @@ def test_router_killed_mid_load_loses_no_request(served: Served) -> None:
         with lock:
             results.append(r)
 
+    def seen() -> int:
+        snap = router_snapshot(served)
+        return snap.admitted["normal"] + snap.queued["normal"]
+
+    before = seen()
     with ThreadPoolExecutor(24) as pool:
         for i in range(12):  # in flight (and queued) when the router dies
             pool.submit(one, i)
-        time.sleep(1.0)
+        wait_until(lambda: seen() >= before + 12, 30, "12 requests at the router")
         ray.kill(handle, no_restart=False)
         killed_at = time.monotonic()
         for i in range(12, 24):  # arrive while it restarts
             pool.submit(one, i)
-            time.sleep(0.05)
+            time.sleep(0.05)  # pacing: they arrive over the restart
     assert len(results) == 24
     assert [r.code for r in results] == [grpc.StatusCode.OK] * 24, [
         (r.code, r.details) for r in results if r.code != grpc.StatusCode.OK
@@ -243,10 +252,11 @@ def test_engines_measure_the_tokens_each_expert_routes(served: Served) -> None:
     # 130 prompt tokens + 7 decode steps, 3 MoE layers, 2 experts a token (per
     # layer 274: over expert_min_window_tokens, so the imbalance is judged too).
     expected = (130 + 7) * 3 * 2
-    deadline = time.monotonic() + 5  # the counts of its last steps, reported
-    while (counted := windows()[result.replica]) != expected:
-        assert time.monotonic() < deadline, f"counted {counted}, not {expected}"
-        time.sleep(0.2)
+    wait_until(  # the counts of its last steps, reported
+        lambda: windows()[result.replica] == expected,
+        5,
+        f"{expected} routed tokens in the replica's window",
+    )
     assert windows() == {r: expected if r == result.replica else 0 for r in windows()}
 
     def exported() -> bool:

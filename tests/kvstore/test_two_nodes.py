@@ -3,7 +3,7 @@ process: see two_nodes)."""
 
 from __future__ import annotations
 
-import json
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -11,30 +11,40 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import PLATFORM
+from tests.kvstore.two_nodes import EnginesRun, Fetched
 
 
 @pytest.mark.integration
-def test_a_page_held_on_node_1_is_fetched_by_node_2(tiny_model: Path) -> None:
+def test_a_page_held_on_node_1_is_fetched_by_node_2(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    results = tmp_path / "results.pickle"
     out = subprocess.run(
-        [sys.executable, "-m", "tests.kvstore.two_nodes", str(tiny_model)],
+        [
+            sys.executable,
+            "-m",
+            "tests.kvstore.two_nodes",
+            str(results),
+            str(tiny_model),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
     )
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-    assert out.returncode == 0 and lines, out.stderr[-3000:]
-    result, engines = json.loads(lines[-2]), json.loads(lines[-1])
+    assert out.returncode == 0 and results.exists(), out.stderr[-3000:]
+    result, engines = pickle.loads(results.read_bytes())
+    assert isinstance(result, Fetched) and isinstance(engines, EnginesRun)
     print(result, engines)
-    assert result["found"] == 8 and result["bytes_equal"]
-    assert result["pending_answers"] >= 1  # node 2 waited for the fetch...
-    assert result["imported_pages"] == 8  # ...which brought the pages over
-    assert result["stores_on_their_nodes"] == {"node-1": True, "node-2": True}
-    assert result["distinct_arenas"]
+    assert result.found == 8 and result.bytes_equal
+    assert result.pending_answers >= 1  # node 2 waited for the fetch...
+    assert result.imported_pages == 8  # ...which brought the pages over
+    assert result.stores_on_their_nodes == {"node-1": True, "node-2": True}
+    assert result.distinct_arenas
     # Engines: node 2's engine loads the prompt node 1's engine computed.
-    assert engines["engine_node_1_cached"] == 0
-    block = engines["block_size"]
+    assert engines.node_1_cached == 0
+    block = engines.block_size
     assert block == PLATFORM.block_size  # what auto gives on this CPU
-    assert engines["engine_node_2_cached"] == 6 * block
-    assert engines["engine_node_2_imported_pages"] == 6
-    assert engines["same_tokens"]
+    assert engines.node_2_cached == 6 * block
+    assert engines.node_2_imported_pages == 6
+    assert engines.same_tokens

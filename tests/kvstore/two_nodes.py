@@ -1,6 +1,6 @@
 """A page held on node 1 is fetched by node 2: two Ray nodes started in-process.
 
-    .venv/bin/python -m tests.kvstore.two_nodes [MODEL_DIR]   # prints JSON lines
+    .venv/bin/python -m tests.kvstore.two_nodes OUT [MODEL_DIR]   # pickles to OUT
 
 Each node runs its own store actor and arena.
 
@@ -11,14 +11,16 @@ Each node runs its own store actor and arena.
    its node's store. Node 1's engine computes a prompt; node 2's engine, asked the
    same prompt, loads it (fetched across nodes) instead of recomputing it.
 
-Run in its own process by ``test_two_nodes`` (a process joins one Ray cluster).
+Run in its own process by ``test_two_nodes`` (a process joins one Ray cluster),
+which asserts on the ``Fetched`` and ``EnginesRun`` it records.
 """
 
 from __future__ import annotations
 
-import json
+import pickle
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,10 +31,11 @@ from cluster.config import KVStoreConfig
 from kvstore import actor as kv_actor
 from kvstore.arena import Arena
 from kvstore.block_hash import block_hashes
-from kvstore.rpc import StoreClient
+from kvstore.rpc import StoreClient, Written
 
 # The engines run what the test session's do (auto, or MOE_CLUSTER_TEST_BACKEND).
 from tests.integration.conftest import PLATFORM
+from tests.waiting import wait_until
 
 APP = "two-nodes"
 ENGINES = "two-nodes-engines"
@@ -41,6 +44,31 @@ PAGES = 8
 STORE = KVStoreConfig(capacity_bytes=64 * PAGE, sync_interval_s=0.1)
 ENGINE_BLOCKS = 6  # full blocks of the prompt node 1 computes and node 2 loads
 ENGINE_STORE = KVStoreConfig(capacity_bytes=64 << 20, sync_interval_s=0.1)
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """Stores alone: what node 2 found of the pages node 1 wrote."""
+
+    found: int  # pages node 2's lookup returned in the end
+    pending_answers: int  # "ask again" answers while its store fetched them
+    seconds: float
+    bytes_equal: bool  # node 2's copies are node 1's bytes
+    imported_pages: int  # node 2's store's count
+    stores_on_their_nodes: dict[str, bool]
+    distinct_arenas: bool
+
+
+@dataclass(frozen=True)
+class EnginesRun:
+    """Engines: node 2's engine asked the prompt node 1's engine computed."""
+
+    node_1_cached: int  # tokens
+    node_2_cached: int
+    same_tokens: bool
+    node_2_imported_pages: int
+    node_2_request_s: float
+    block_size: int
 
 
 def main() -> None:
@@ -63,54 +91,59 @@ def main() -> None:
     sock1, sock2 = ray.get([s1.start.remote(), s2.start.remote()])
 
     c1, c2 = StoreClient(sock1), StoreClient(sock2)
-    a1 = Arena.attach(*c1.call("open", PAGE, "tiny"))
-    a2 = Arena.attach(*c2.call("open", PAGE, "tiny"))
+    i1, i2 = c1.open(PAGE, "tiny"), c2.open(PAGE, "tiny")
+    a1 = Arena.attach(i1.name, i1.num_pages, i1.page_bytes)
+    a2 = Arena.attach(i2.name, i2.num_pages, i2.page_bytes)
     hashes = list(block_hashes(list(range(PAGES * 16 + 1)), 16))
     rows = np.random.default_rng(0).integers(0, 255, (PAGES, PAGE), dtype=np.uint8)
-    slots, _ = c1.call("reserve", hashes)
-    c1.call("commit", [[s, a1.write(s, rows[i])] for i, s in enumerate(slots)])
+    slots = c1.reserve(hashes).slots
+    c1.commit(
+        [Written(s, a1.write(s, rows[i])) for i, s in enumerate(slots) if s is not None]
+    )
 
     t0 = time.monotonic()
-    waits = 0
-    while True:
-        refs, pending, _ = c2.call("lookup", "req", hashes, "", [], 16)
-        if refs or (not pending and time.monotonic() - t0 > 10):
-            break
-        waits += pending
-        time.sleep(0.01)
+    pending_answers = 0
+
+    def found() -> list[Any]:
+        # As vLLM's scheduler does: ask again while the answer is "pending".
+        nonlocal pending_answers
+        answer = c2.lookup("req", hashes, "", [], 16, 0)
+        pending_answers += answer.pending
+        return answer.refs
+
+    refs = wait_until(found, 10, "node 2 to find node 1's pages")
     fetch_s = time.monotonic() - t0
     equal = len(refs) == PAGES and all(
-        np.array_equal(a2.page(slot), rows[i]) for i, (slot, _, _) in enumerate(refs)
+        np.array_equal(a2.page(r.slot), rows[i]) for i, r in enumerate(refs)
     )
     where = {
         "node-1": ray.get(s1.summary.remote())["node"] == n1,
         "node-2": ray.get(s2.summary.remote())["node"] == n2,
     }
     summary2 = ray.get(s2.summary.remote())
-    c2.call("release", "req")
-    print(
-        json.dumps(
-            {
-                "found": len(refs),
-                "pending_answers": waits,
-                "seconds": round(fetch_s, 3),
-                "bytes_equal": equal,
-                "imported_pages": summary2["imported_pages"],
-                "stores_on_their_nodes": where,
-                "distinct_arenas": a1.name != a2.name,
-            }
-        ),
-        flush=True,
-    )
+    c2.release("req")
+    results: list[Any] = [
+        Fetched(
+            found=len(refs),
+            pending_answers=pending_answers,
+            seconds=round(fetch_s, 3),
+            bytes_equal=equal,
+            imported_pages=summary2["imported_pages"],
+            stores_on_their_nodes=where,
+            distinct_arenas=a1.name != a2.name,
+        )
+    ]
     a1.close()
     a2.close()
-    if len(sys.argv) > 1:
+    if len(sys.argv) > 2:
         # Fresh stores: the engines' pages are of another layout than the above.
         e1 = kv_actor.get_or_create_store(ENGINES, n1, ENGINE_STORE)
         e2 = kv_actor.get_or_create_store(ENGINES, n2, ENGINE_STORE)
         socks = ray.get([e1.start.remote(), e2.start.remote()])
-        print(json.dumps(engines(sys.argv[1], *socks, e2)), flush=True)
+        results.append(engines(sys.argv[2], *socks, e2, n1))
         kv_actor.kill(ENGINES)
+    with open(sys.argv[1], "wb") as f:
+        pickle.dump(results, f)
     kv_actor.kill(APP)
     ray.shutdown()
     cluster.shutdown()
@@ -151,25 +184,34 @@ class Engine:
         return list(out.outputs[0].token_ids), out.num_cached_tokens or 0, took
 
 
-def engines(model: str, sock1: str, sock2: str, store2: Any) -> dict[str, Any]:
+def engines(model: str, sock1: str, sock2: str, store2: Any, node1: str) -> EnginesRun:
     cls = ray.remote(num_cpus=1)(Engine)
     e1 = cls.options(resources={"node-1": 1}).remote(model, sock1)
     e2 = cls.options(resources={"node-2": 1}).remote(model, sock2)
     prompt = list(range(3, 3 + ENGINE_BLOCKS * PLATFORM.block_size + 1))  # + 1 token
     before = ray.get(store2.summary.remote())["imported_pages"]
     tokens1, cached1, _ = ray.get(e1.generate.remote(prompt))
-    time.sleep(0.5)  # node 1's pages reach the directory, and node 2's mirror
+    wait_until(  # node 1's pages reached the directory, and node 2's mirror of it
+        lambda: (
+            ray.get(store2.summary.remote())["mirror"].get(node1, 0) >= ENGINE_BLOCKS
+        ),
+        10,
+        "node 2's store to know node 1's pages",
+    )
     tokens2, cached2, seconds2 = ray.get(e2.generate.remote(prompt))
     after = ray.get(store2.summary.remote())["imported_pages"]
-    return {
-        "engine_node_1_cached": cached1,
-        "engine_node_2_cached": cached2,
-        "same_tokens": tokens1 == tokens2,
-        "engine_node_2_imported_pages": after - before,
-        "engine_node_2_request_s": round(seconds2, 3),
-        "block_size": ray.get(e2.block_size.remote()),
-    }
+    return EnginesRun(
+        node_1_cached=cached1,
+        node_2_cached=cached2,
+        same_tokens=tokens1 == tokens2,
+        node_2_imported_pages=after - before,
+        node_2_request_s=round(seconds2, 3),
+        block_size=ray.get(e2.block_size.remote()),
+    )
 
 
 if __name__ == "__main__":
-    main()
+    # The importable module's main: what it pickles then names that module.
+    from tests.kvstore import two_nodes
+
+    two_nodes.main()

@@ -60,8 +60,10 @@ def _config(model: str, store: bool, warmup: int) -> ClusterConfig:
 
 
 def _replicas(handle: Any) -> dict[str, Any]:
-    stats = [handle.stats.remote().result(timeout_s=60) for _ in range(20)]
-    return {s.replica_id: s for s in stats}
+    from tests.integration.conftest import engine_stats
+
+    found: dict[str, Any] = engine_stats(handle)
+    return found
 
 
 def _two(handle: Any) -> list[str]:

@@ -110,12 +110,9 @@ class Deployed:
     def stats(self) -> dict[str, Any]:
         from ray import serve
 
-        handle = serve.get_deployment_handle("Engine", APP)
-        found: dict[str, Any] = {}
-        deadline = time.monotonic() + 30
-        while len(found) < 2 and time.monotonic() < deadline:
-            s = handle.stats.remote().result(timeout_s=30)
-            found[s.replica_id] = s
+        from tests.integration.conftest import engine_stats
+
+        found: dict[str, Any] = engine_stats(serve.get_deployment_handle("Engine", APP))
         return found
 
 

@@ -1,7 +1,7 @@
 from typing import Any
 
 from deployments.engine.pinned_router import PinnedRequestRouter, target_of
-from deployments.protocol import EngineRequest, Sampling
+from deployments.protocol import EngineRequest, Pin, Sampling
 
 
 class _Replica:
@@ -20,6 +20,8 @@ async def test_pinned_requests_go_to_their_replica_and_others_spread() -> None:
     req = EngineRequest("r", (1,), Sampling(max_tokens=1), replica_id="b")
     assert target_of(_Pending(req)) == "b"  # type: ignore[arg-type]
     assert await router.choose_replicas(replicas, _Pending(req)) == [[replicas[1]]]  # type: ignore[arg-type]
+    # A call without a request (stats) is pinned by a Pin.
+    assert await router.choose_replicas(replicas, _Pending(Pin("c"))) == [[replicas[2]]]  # type: ignore[arg-type]
     gone = EngineRequest("r", (1,), Sampling(max_tokens=1), replica_id="z")
     [fallback] = await router.choose_replicas(replicas, _Pending(gone))  # type: ignore[arg-type]
     assert len(fallback) == 2 and set(fallback) <= set(replicas)

@@ -1,0 +1,85 @@
+"""The store and directory actors as plain objects on one event loop: a node store
+serves its socket, publishes its change log to the directory and mirrors it back
+(the Ray calls between them replaced by direct calls)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from cluster.config import KVStoreConfig
+from kvstore import actor as kv_actor
+from kvstore.arena import Arena
+from kvstore.block_hash import block_hashes
+from kvstore.rpc import StoreClient, Written
+
+PAGE = 256
+
+
+class Remote:
+    """``handle.method.remote(...)`` on a plain object, awaited as Ray's is."""
+
+    def __init__(self, target: Any) -> None:
+        self._target = target
+
+    def __getattr__(self, name: str) -> Any:
+        method: Callable[..., Any] = getattr(self._target, name)
+
+        async def call(*args: Any) -> Any:
+            return method(*args)
+
+        return type("Method", (), {"remote": staticmethod(call)})
+
+
+async def test_a_store_publishes_its_pages_and_mirrors_the_directory() -> None:
+    app = f"unit-{uuid.uuid4().hex[:8]}"
+    directory = kv_actor.KVDirectoryActor()
+    config = KVStoreConfig(capacity_bytes=8 * PAGE, sync_interval_s=3600)
+    store = kv_actor.NodeStoreActor(app, "node-a", config)
+    store._directory = Remote(directory)  # what kv_actor.directory(app) returns
+    try:
+        socket = await store.start()
+        hashes = list(block_hashes(list(range(3 * 16)), 16))
+        rows = np.random.default_rng(0).integers(0, 255, (3, PAGE), dtype=np.uint8)
+
+        def save() -> None:  # an engine's connector, on its own thread
+            client = StoreClient(socket)
+            info = client.open(PAGE, "layout")
+            arena = Arena.attach(info.name, info.num_pages, info.page_bytes)
+            reserved = client.reserve(hashes)
+            client.commit(
+                [
+                    Written(slot, arena.write(slot, rows[i]))
+                    for i, slot in enumerate(reserved.slots)
+                    if slot is not None
+                ]
+            )
+            client.close()
+            arena.close()
+
+        await asyncio.to_thread(save)
+        assert store.summary()["pages"] == 3
+        inc, changes = store.changes("", -1)
+        assert changes.full and set(changes.added) == set(hashes)
+        assert store.changes(inc, changes.seq)[1].added == ()  # nothing since
+
+        await store.sync()
+        assert directory.summary() == {"node-a": 3}
+        assert store.mirror.locate(hashes) == ("node-a", 3)
+        _, log = directory.changes("", -1)
+        assert set(log.added) == {("node-a", h) for h in hashes}
+
+        got, pages = store.export(hashes)  # what another node fetches
+        assert got == hashes and np.array_equal(pages, rows)
+        # A flipped byte fails the page's checksum: the page is dropped, and an
+        # export ends before it.
+        assert store.corrupt(hashes[1])
+        got, pages = store.export(hashes)
+        assert got == hashes[:1] and np.array_equal(pages[0], rows[0])
+        assert store.summary()["pages"] == 2
+    finally:
+        await store.shutdown()

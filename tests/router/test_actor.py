@@ -1,0 +1,40 @@
+"""The DeepSeekRouter actor's methods as a plain object on one event loop."""
+
+from __future__ import annotations
+
+from cluster.config import RouterConfig
+from cluster.qos import QoS
+from router.actor import DeepSeekRouter
+from router.stats import RouterStats
+from router.types import Outcome, Release, ReplicaId, ReplicaReport, Shed, Ticket
+
+
+async def test_the_actor_admits_refuses_and_reports_through_its_service() -> None:
+    config = RouterConfig(
+        max_running_per_replica=1,
+        realtime_reserved_slots=0,
+        max_queued={"realtime": 0, "normal": 0, "background": 0},
+    )
+    router = DeepSeekRouter(config, num_experts=0)
+    try:
+        seen_by = await router.report(ReplicaReport(ReplicaId("a"), node_id="n1"))
+        assert seen_by == router.incarnation  # a replica tells a restart by this
+        decision = await router.admit(Ticket("t1", QoS.NORMAL, 8, 4))
+        assert not isinstance(decision, Shed) and decision.replica_id == "a"
+        # The only slot is taken and no queue: refused, returned (not raised).
+        shed = await router.admit(Ticket("t2", QoS.NORMAL, 8, 4))
+        assert isinstance(shed, Shed) and shed.reason == "queue-full"
+        await router.release(Release("t1", Outcome.OK, ReplicaId("a"), ttft_s=0.02))
+
+        stats = await router.snapshot()
+        assert isinstance(stats, RouterStats)
+        assert stats.admitted["normal"] == 1 and stats.shed == {"normal/queue-full": 1}
+        assert stats.replicas["a"].node == "n1" and stats.replicas["a"].running == 0
+        assert stats.ttft_ms["normal"] is not None
+        await router.reset_stats()
+        assert (await router.snapshot()).ttft_ms["normal"] is None
+        assert await router.config() == config
+        assert await router.follows_stores() is None
+    finally:
+        for task in router._tasks:
+            task.cancel()
