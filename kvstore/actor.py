@@ -29,6 +29,7 @@ import ray
 
 from cluster.actors import NAMESPACE, singleton_options
 from cluster.config import KVStoreConfig
+from cluster.loops import every
 from kvstore.block_hash import BlockHash
 from kvstore.directory import Directory, Entry, NodeId
 from kvstore.node_store import Changes, HotKey, NodeStore
@@ -130,13 +131,17 @@ class NodeStoreActor:
     # -- directory sync ----------------------------------------------------------
 
     async def _sync_loop(self) -> None:
-        while True:
+        async def step() -> None:
             self._metrics.update(self.store.summary())
-            try:
-                await self.sync()
-            except Exception as e:  # the directory restarting: try again next time
-                logger.warning("kv directory sync failed: %s", e)
-            await asyncio.sleep(self.config.sync_interval_s)
+            await self.sync()  # fails while the directory restarts: next time
+
+        await every(
+            self.config.sync_interval_s,
+            step,
+            what="kv directory sync",
+            logger=logger,
+            first_after=0,
+        )
 
     async def sync(self) -> None:
         """Publishes this node's changes and mirrors the directory (once)."""

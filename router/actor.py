@@ -21,6 +21,7 @@ import ray
 from cluster.actors import NAMESPACE, singleton_options
 from cluster.checkpoint import Checkpoint
 from cluster.config import RouterConfig
+from cluster.loops import every
 from router.core import RouterCore
 from router.metrics import RouterMetrics
 from router.service import RouterService
@@ -110,12 +111,12 @@ class DeepSeekRouter:
             self._tasks.append(loop.create_task(self._follow_stores(self._stores_of)))
 
     async def _export_metrics(self) -> None:
-        while True:
-            try:
-                self._metrics.export(self._service.snapshot())
-            except Exception:  # keep exporting: one bad snapshot must not stop it
-                logger.exception("router metrics export failed")
-            await asyncio.sleep(METRICS_INTERVAL_S)
+        async def step() -> None:
+            self._metrics.export(self._service.snapshot())
+
+        await every(
+            METRICS_INTERVAL_S, step, what="router metrics export", logger=logger
+        )
 
     async def _follow_stores(self, app: str) -> None:
         """Reads the kvstore directory's change log, as the stores' mirrors do:
@@ -123,20 +124,29 @@ class DeepSeekRouter:
         replicas share a node."""
         from kvstore import actor as kv_actor
 
-        interval = self._config.report_interval_s
-        incarnation, seq = "", -1
-        while True:
+        cursor = ("", -1)  # the directory's incarnation, and its seq read up to
+
+        async def step() -> None:
+            nonlocal cursor
             try:
-                directory = ray.get_actor(
-                    kv_actor.directory_name(app), namespace=NAMESPACE
-                )
-                incarnation, changes = await directory.changes.remote(incarnation, seq)
-                self._service.follow_stores(changes)
-                seq = changes.seq
-            except Exception as e:  # not started yet, or restarting: ask again
-                logger.debug("kvstore directory not followed: %r", e)
-                incarnation, seq = "", -1
-            await asyncio.sleep(interval)
+                name = kv_actor.directory_name(app)
+                directory = ray.get_actor(name, namespace=NAMESPACE)
+                incarnation, changes = await directory.changes.remote(*cursor)
+            except ValueError:  # no store has started it yet
+                return
+            except Exception:  # restarting: all of it again next time
+                cursor = ("", -1)
+                raise
+            self._service.follow_stores(changes)
+            cursor = (incarnation, changes.seq)
+
+        await every(
+            self._config.report_interval_s,
+            step,
+            what="following the kvstore directory",
+            logger=logger,
+            first_after=0,
+        )
 
 
 def get_or_create(

@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from cluster.loops import every
 from kvstore.directory import Entry
 from kvstore.node_store import Changes
 from router.admission import Waiting
@@ -134,12 +135,10 @@ class RouterService:
         self.pump()
 
     async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self._tick_s)
-            try:
-                self.tick()
-            except Exception:  # keep ticking: one bad tick must not stop admission
-                logger.exception("router tick failed")
+        async def step() -> None:
+            self.tick()
+
+        await every(self._tick_s, step, what="router tick", logger=logger)
 
     def _deliver(self, dispatched: list[tuple[Waiting, RouteDecision]]) -> None:
         for waiting, decision in dispatched:

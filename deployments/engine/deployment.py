@@ -20,6 +20,7 @@ import ray
 from ray import serve
 
 from cluster.config import ClusterConfig
+from cluster.loops import every
 from deployments.engine import kv_events
 from deployments.engine.reporter import Reporter
 from deployments.engine.vllm_engine import VLLMEngine
@@ -130,16 +131,21 @@ class EngineServer:
         # no tokens, so its workers are asked only while it has work, and once
         # more after it runs out (the last steps' counts).
         busy = False
-        while True:
-            await asyncio.sleep(config.router.report_interval_s)
+
+        async def step() -> None:
+            nonlocal busy
             now_busy = self._engine.has_work()
-            if not (busy or now_busy):
-                continue
-            busy = now_busy
-            try:
+            if busy or now_busy:
+                busy = now_busy
+                # A dead engine fails this: the health check's business.
                 await self._engine.poll_expert_load()
-            except Exception as e:  # a dead engine is the health check's business
-                logger.debug("expert load poll failed: %r", e)
+
+        await every(
+            config.router.report_interval_s,
+            step,
+            what="expert load poll",
+            logger=logger,
+        )
 
     async def _warmup(self, config: ClusterConfig) -> None:
         """Runs the configured warmup prompts and the cluster's hottest prefixes,
@@ -220,12 +226,20 @@ async def _watch_store(config: ClusterConfig, store: Any) -> None:
     """Starts a new store on the node when this one died: the engines' connectors
     re-attach to its arena. (What the store holds reaches the router through the
     kvstore directory, not through this replica.)"""
-    while True:
-        await asyncio.sleep(config.router.report_interval_s)
+
+    async def step() -> None:
+        nonlocal store
         try:
             if store is None:
                 store, _ = await _node_store(config)
             await store.summary.remote()
-        except Exception as e:
-            logger.warning("the node's page store failed (%s); starting another", e)
-            store = None
+        except Exception:
+            store = None  # start another next time
+            raise
+
+    await every(
+        config.router.report_interval_s,
+        step,
+        what="the node's page store (starting another)",
+        logger=logger,
+    )
