@@ -1,1 +1,3 @@
-"""Shared paged KV: the per-node page arena, its directory and the vLLM connector."""
+"""Shared paged KV: each node's page arena and store, the cluster's page directory,
+and the vLLM connector that loads and saves pages.
+"""

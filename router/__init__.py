@@ -1,5 +1,4 @@
-"""Admission and placement: the DeepSeekRouter's pure decision logic and its Ray actor.
-
-Everything but ``actor.py`` is plain Python with an injected clock (no Ray, no torch,
-no vLLM), so each policy, queue and breaker is unit-tested exactly.
+"""The DeepSeekRouter: admission and placement decided by a pure, clocked core with
+plain settings (no Ray, torch or vLLM outside ``actor.py`` and ``metrics.py``), made
+awaitable by ``service.py`` and run as a Ray actor by ``actor.py``.
 """
