@@ -125,17 +125,19 @@ class DeepSeekRouter:
         from kvstore import actor as kv_actor
 
         cursor = ("", -1)  # the directory's incarnation, and its seq read up to
+        directory: Any = None
 
         async def step() -> None:
-            nonlocal cursor
+            nonlocal cursor, directory
             try:
-                name = kv_actor.directory_name(app)
-                directory = ray.get_actor(name, namespace=NAMESPACE)
+                if directory is None:
+                    name = kv_actor.directory_name(app)
+                    directory = ray.get_actor(name, namespace=NAMESPACE)
                 incarnation, changes = await directory.changes.remote(*cursor)
             except ValueError:  # no store has started it yet
                 return
-            except Exception:  # restarting: all of it again next time
-                cursor = ("", -1)
+            except Exception:  # gone or restarting: all of it again next time
+                cursor, directory = ("", -1), None
                 raise
             self._service.follow_stores(changes)
             cursor = (incarnation, changes.seq)
