@@ -433,6 +433,27 @@ class ExpertParallelConfig(_Strict):
         return self.accelerator == "GPU"
 
 
+class TracingConfig(_Strict):
+    """Trace export is switched on by the standard OTEL_EXPORTER_OTLP_ENDPOINT (and
+    OTEL_* protocol, headers, sampler); these override the sampler and service name."""
+
+    sampling_ratio: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Share of traces started here that are recorded (a client's "
+        "traceparent decides for its own); None: OTEL_TRACES_SAMPLER(_ARG), else 1.",
+    )
+    service_name: str | None = Field(
+        None, min_length=1, description="service.name; None: OTEL_SERVICE_NAME."
+    )
+    log_encoding: Literal["TEXT", "JSON"] = Field(
+        "TEXT",
+        description="Ray's log encoding for every worker: JSON writes each record "
+        "(with its request, trace and span ids) as one JSON object.",
+    )
+
+
 class ClusterConfig(_Strict):
     """Everything `moe-cluster serve` needs."""
 
@@ -443,6 +464,7 @@ class ClusterConfig(_Strict):
     router: RouterConfig = Field(default_factory=RouterConfig)
     kvstore: KVStoreConfig = Field(default_factory=KVStoreConfig)
     expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
 
     @model_validator(mode="after")
     def _expert_parallel(self) -> ClusterConfig:

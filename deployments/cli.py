@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import cluster
+from cluster import tracing
 from cluster.config import DEFAULT_TINY_MODEL_DIR, ClusterConfig, load_config
 from cluster.env import read_env
 
@@ -19,6 +20,24 @@ DEFAULT_CONFIG = Path(cluster.__file__).resolve().parent / "configs" / "tiny-cpu
 def _config(path: str | None) -> ClusterConfig:
     chosen = path or read_env().config or str(DEFAULT_CONFIG)
     return load_config(chosen)
+
+
+def trace_settings(config: ClusterConfig) -> tracing.TraceSettings | None:
+    """The trace export OTEL_* and the config ask for, made the environment every
+    Ray worker inherits (call before ``ray.init``)."""
+    t = config.tracing
+    s = tracing.settings(sampling_ratio=t.sampling_ratio, service_name=t.service_name)
+    tracing.apply_serve_env(s)
+    return s
+
+
+def _traces(s: tracing.TraceSettings | None) -> str:
+    if s is None:
+        return "off (set OTEL_EXPORTER_OTLP_ENDPOINT to export them)"
+    return (
+        f"OTLP/{s.protocol} to {s.endpoint}, service {s.service_name!r}, "
+        f"sampling {s.sampling_ratio:g}"
+    )
 
 
 def _engines(config: ClusterConfig) -> str:
@@ -33,20 +52,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from deployments.app import deploy, prepare_model
-    from deployments.ray_connect import init_ray
+    from deployments.ray_connect import init_ray, logging_config
     from kvstore import actor as kv_actor
     from router import actor as router_actor
 
     config = prepare_model(_config(args.config))
     print(f"moe-cluster: engines get {config.engine_platform().describe()}", flush=True)
     started = time.monotonic()
-    init_ray(args.address, namespace="moe-cluster")
+    traces = trace_settings(config)
+    init_ray(
+        args.address,
+        namespace="moe-cluster",
+        logging_config=logging_config(config.tracing.log_encoding),
+    )
     deploy(config)
     s = config.server
     print(
         f"moe-cluster is serving {config.model.served_name!r} "
         f"({_engines(config)}, "
         f"ready in {time.monotonic() - started:.0f} s)\n"
+        f"  traces {_traces(traces)}\n"
         f"  gRPC   {s.host}:{s.grpc_port}  moecluster.v1.Inference, grpc.health.v1, "
         "reflection\n"
         f"  HTTP   http://{s.host}:{s.http_port}/v1  (OpenAI: /models, /completions, "

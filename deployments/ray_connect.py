@@ -43,6 +43,18 @@ def probe(target: str, timeout_s: float = PROBE_TIMEOUT_S, given: str = "") -> N
         raise ConnectionError(f"no Ray cluster answers at {name}: {e}") from None
 
 
+def logging_config(encoding: str = "TEXT") -> Any:
+    """Ray's structured logging for every worker: the root logger at INFO through
+    Ray's formatter, which writes each record's extra fields (moe-cluster's
+    ``moe_request_id``, ``trace_id``, ``span_id``, see ``cluster.tracing``) as JSON
+    keys or ``key=value`` after the message, and names the logger."""
+    import ray
+
+    return ray.LoggingConfig(
+        encoding=encoding, log_level="INFO", additional_log_standard_attrs=["name"]
+    )
+
+
 def init_ray(address: str | None, **kwargs: Any) -> None:
     """``ray.init`` on a new local cluster (``address`` None or "local", with
     ``kwargs`` such as ``num_cpus``) or on the cluster at ``address`` once its GCS

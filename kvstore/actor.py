@@ -33,7 +33,7 @@ from cluster.loops import every
 from kvstore.block_hash import BlockHash
 from kvstore.directory import Directory, Entry, NodeId
 from kvstore.node_store import Changes, HotKey, NodeStore
-from kvstore.rpc import StoreServer
+from kvstore.rpc import Fetch, StoreServer
 
 logger = logging.getLogger("moe_cluster.kvstore")
 
@@ -113,9 +113,12 @@ class NodeStoreActor:
             self.store,
             socket_path(app, node_id),
             on_miss=self._on_miss if config.fetch else None,
+            fetched=self._fetched if config.fetch else None,
         )
         self._fetching: dict[BlockHash, asyncio.Task[int]] = {}
         self._settled: dict[BlockHash, float] = {}  # fetch ended: don't retry at once
+        # First page of each recent fetch -> what it fetched (lookups report it).
+        self._fetches: dict[BlockHash, Fetch] = {}
         self._started = False
         self._directory: Any = None
         self._metrics = _StoreMetrics(node_id)
@@ -183,6 +186,18 @@ class NodeStoreActor:
         if len(self._settled) > 4096:
             cutoff = time.monotonic() - 5.0
             self._settled = {k: t for k, t in self._settled.items() if t > cutoff}
+            self._fetches = {
+                k: f for k, f in self._fetches.items() if k in self._settled
+            }
+
+    def _fetched(self, pages: Sequence[BlockHash]) -> Fetch | None:
+        """The recent fetch that brought one of ``pages`` (a lookup's found run)."""
+        if not self._fetches:
+            return None
+        for h in pages:
+            if (fetch := self._fetches.get(h)) is not None:
+                return fetch
+        return None
 
     def _fetch_from_peer(
         self, missing: Sequence[BlockHash]
@@ -200,13 +215,25 @@ class NodeStoreActor:
             remote = ray.get_actor(store_name(self.app, node), namespace=NAMESPACE)
             got: list[BlockHash]
             pages: np.ndarray
+            t0 = time.monotonic()
             got, pages = await asyncio.wait_for(
                 remote.export.remote(hashes), self.config.fetch_timeout_s
             )
             n = self.store.import_pages(got, pages)
-            logger.info("fetched %d pages from node %s", n, node[:12])
+            seconds = time.monotonic() - t0
+            self._metrics.fetched(int(pages.nbytes), seconds)
+            if got:
+                self._fetches[got[0]] = Fetch(node, n, int(pages.nbytes), seconds)
+            logger.info(
+                "fetched %d pages (%d bytes) from node %s in %.3f s",
+                n,
+                pages.nbytes,
+                node[:12],
+                seconds,
+            )
             return n
         except Exception as e:
+            self._metrics.fetch_failed()
             logger.warning("fetching %d pages from %s failed: %s", len(hashes), node, e)
             return 0
 
@@ -286,15 +313,48 @@ class _StoreMetrics:
         self._capacity = metrics.Gauge(
             "moe_cluster_kv_capacity_pages", "Pages the arena can hold.", ("node",)
         )
+        self._hit_bytes = metrics.Counter(
+            "moe_cluster_kv_hit_bytes",
+            "Bytes of pages engines loaded from the store instead of computing.",
+            ("node",),
+        )
+        self._fetches = metrics.Counter(
+            "moe_cluster_kv_fetches",
+            "Fetches of pages from another node's store, by outcome.",
+            ("node", "outcome"),
+        )
+        self._fetch_bytes = metrics.Counter(
+            "moe_cluster_kv_fetched_bytes",
+            "Bytes of pages fetched from other nodes.",
+            ("node",),
+        )
+        self._fetch_seconds = metrics.Histogram(
+            "moe_cluster_kv_fetch_seconds",
+            "Time of one fetch from another node's store.",
+            boundaries=[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5],
+            tag_keys=("node",),
+        )
 
     def update(self, summary: dict[str, int]) -> None:
         for key, counter in self._counters.items():
             delta = summary.get(key, 0) - self._last.get(key, 0)
             if delta > 0:
                 counter.inc(delta, self._tags)
+                if key == "hit_pages":
+                    self._hit_bytes.inc(
+                        delta * summary.get("page_bytes", 0), self._tags
+                    )
             self._last[key] = summary.get(key, 0)
         self._pages.set(summary.get("pages", 0), self._tags)
         self._capacity.set(summary.get("num_pages", 0), self._tags)
+
+    def fetched(self, nbytes: int, seconds: float) -> None:
+        self._fetches.inc(tags=self._tags | {"outcome": "ok"})
+        self._fetch_bytes.inc(nbytes, self._tags)
+        self._fetch_seconds.observe(seconds, self._tags)
+
+    def fetch_failed(self) -> None:
+        self._fetches.inc(tags=self._tags | {"outcome": "failed"})
 
 
 def directory(app: str) -> Any:

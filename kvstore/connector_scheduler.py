@@ -17,12 +17,14 @@ their attributes only, so the unit tests drive this class with plain stand-ins.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
-from kvstore.rpc import PageRef, StoreClient, StoreError
+from cluster import tracing
+from kvstore.rpc import Fetch, PageRef, StoreClient, StoreError
 
 logger = logging.getLogger("moe_cluster.kvstore")
 
@@ -45,10 +47,12 @@ class PageSave(msgspec.Struct, array_like=True, frozen=True):
 
 
 class Loads(msgspec.Struct, array_like=True, frozen=True):
-    """One request's pages to load, all in ``arena``."""
+    """One request's pages to load, all in ``arena``; ``trace``: the request's
+    W3C trace context (empty unless it is traced), the load span's parent."""
 
     arena: str
     pages: list[PageLoad]
+    trace: dict[str, str] = {}
 
 
 class StoreRequest(Protocol):
@@ -75,6 +79,8 @@ class StoreScheduler:
         self._found: dict[str, tuple[int, list[PageRef], str]] = {}
         self._to_load: dict[str, Loads] = {}
         self._saved: dict[str, int] = {}  # full blocks already handed to the store
+        self._fetch_wait: dict[str, float] = {}  # traced requests waiting on a fetch
+        self._last_fetch: dict[str, Fetch] = {}  # the fetch a lookup just reported
 
     def on_new_request(self, request: StoreRequest) -> None:
         self._requests[request.request_id] = request
@@ -96,6 +102,64 @@ class StoreScheduler:
             return 0
         # Asked even when the engine holds every block: the store counts the
         # reuse towards the hot prefixes new replicas warm up with.
+        headers = getattr(request, "trace_headers", None)
+        if headers:
+            return self._traced_lookup(request, headers, hashes, skip)
+        return self._lookup(request, hashes, skip)
+
+    def _traced_lookup(
+        self,
+        request: StoreRequest,
+        headers: Mapping[str, str],
+        hashes: Sequence[bytes],
+        skip: int,
+    ) -> int | None:
+        A = tracing.Attr
+        rid = request.request_id
+        with tracing.tracer().start_as_current_span(
+            "kvstore.lookup",
+            context=tracing.context_of(headers),
+            attributes={A.KV_PAGES_ASKED: len(hashes), A.KV_PAGES_HELD: skip},
+        ) as span:
+            token = tracing.REQUEST_ID.set(rid)
+            try:
+                n = self._lookup(request, hashes, skip)
+            finally:
+                tracing.REQUEST_ID.reset(token)
+            if n is None:
+                if rid not in self._fetch_wait:
+                    self._fetch_wait[rid] = time.monotonic()
+                    span.add_event("fetch.pending")
+                span.set_attribute("moe_cluster.kv.pending", True)
+                return None
+            if (since := self._fetch_wait.pop(rid, None)) is not None:
+                span.set_attribute(A.KV_FETCH_WAIT, time.monotonic() - since)
+            span.set_attribute(A.KV_PAGES_FOUND, n // self._block_size)
+            if (fetch := self._last_fetch.pop(rid, None)) is not None:
+                span.add_event(
+                    "fetch",
+                    {
+                        A.KV_FETCH_NODE: fetch.node,
+                        A.KV_FETCH_PAGES: fetch.pages,
+                        A.KV_FETCH_BYTES: fetch.nbytes,
+                        A.KV_FETCH_SECONDS: fetch.seconds,
+                    },
+                )
+                span.set_attributes(
+                    {
+                        A.KV_FETCH_NODE: fetch.node,
+                        A.KV_FETCH_PAGES: fetch.pages,
+                        A.KV_FETCH_BYTES: fetch.nbytes,
+                        A.KV_FETCH_SECONDS: fetch.seconds,
+                    }
+                )
+            return n
+
+    def _lookup(
+        self, request: StoreRequest, hashes: Sequence[bytes], skip: int
+    ) -> int | None:
+        rid, b = request.request_id, self._block_size
+        full = len(hashes)
         try:
             answer = self._client.lookup(
                 rid,
@@ -112,6 +176,8 @@ class StoreScheduler:
             return None  # another node's pages are on their way
         if not answer.refs:
             return 0
+        if answer.fetch is not None:
+            self._last_fetch[rid] = answer.fetch
         self._found[rid] = (skip, answer.refs, answer.arena)
         return len(answer.refs) * b
 
@@ -128,12 +194,14 @@ class StoreScheduler:
             return
         skip, refs, arena = found
         # refs[i] is the prompt's block skip + i (the engine holds the first skip).
+        headers: Any = getattr(request, "trace_headers", None)
         self._to_load[rid] = Loads(
             arena,
             [
                 PageLoad(r.slot, r.checksum, r.page_hash, block_ids[skip + i])
                 for i, r in enumerate(refs)
             ],
+            dict(headers) if headers else {},
         )
         self._saved[rid] = max(self._saved.get(rid, 0), skip + len(refs))
 
@@ -171,6 +239,8 @@ class StoreScheduler:
             self._release(rid)
         self._requests.pop(rid, None)
         self._saved.pop(rid, None)
+        self._fetch_wait.pop(rid, None)
+        self._last_fetch.pop(rid, None)
 
     def pinned(self) -> set[str]:
         """Requests holding pages pinned in the store (found or to load)."""

@@ -20,12 +20,36 @@ from typing import Any
 
 import torch
 
+from cluster import tracing
 from kvstore.arena import Arena, checksum
 from kvstore.connector_scheduler import Loads, PageSave
 from kvstore.page_layer import PageLayer
 from kvstore.rpc import StoreClient, StoreError, Written
 
 logger = logging.getLogger("moe_cluster.kvstore")
+
+
+def _load_span(rid: str, request: Loads) -> Any:
+    return tracing.tracer().start_as_current_span(
+        "kvstore.load",
+        context=tracing.context_of(request.trace),
+        attributes={"moe_cluster.kv.pages_planned": len(request.pages)},
+    )
+
+
+def _loaded(span: Any, request: Loads, loaded: tuple[int, int]) -> None:
+    A = tracing.Attr
+    pages, nbytes = loaded
+    failed = len(request.pages) - pages
+    span.set_attributes(
+        {
+            A.KV_PAGES_LOADED: pages,
+            A.KV_BYTES_LOADED: nbytes,
+            A.KV_CHECKSUM_FAILURES: 1 if failed else 0,
+        }
+    )
+    if failed:
+        span.add_event("checksum.failed", {"moe_cluster.kv.pages_recomputed": failed})
 
 
 class StoreWorker:
@@ -132,23 +156,13 @@ class StoreWorker:
         if not loads:
             return
         bad: list[bytes] = []
-        for request in loads.values():
-            pages = request.pages
-            if not self._arena_is(request.arena):
-                # The store restarted between lookup and load: recompute.
-                self._load_errors.update(p.block_id for p in pages)
-                continue
-            assert self._arena is not None
-            for i, p in enumerate(pages):
-                page = self._arena.page(p.slot)
-                if checksum(page) != p.checksum:
-                    # Never serve it: this block and the rest of the prefix are
-                    # recomputed by vLLM.
-                    bad.append(p.page_hash)
-                    self._load_errors.update(q.block_id for q in pages[i:])
-                    break
-                for layer in self._layers:
-                    layer.load(page, p.block_id, non_blocking=self._stream is not None)
+        for rid, request in loads.items():
+            if request.trace:
+                with _load_span(rid, request) as span:
+                    loaded = self._load(request, bad)
+                    _loaded(span, request, loaded)
+            else:
+                self._load(request, bad)
         if self._stream is not None:
             torch.cuda.current_stream().synchronize()  # loaded before the forward
         try:
@@ -158,6 +172,30 @@ class StoreWorker:
             self._client.release(*loads)
         except StoreError as e:
             self._warn(e)
+
+    def _load(self, request: Loads, bad: list[bytes]) -> tuple[int, int]:
+        """Loads one request's pages, up to the first that fails its checksum
+        (added to ``bad``); returns (pages loaded, bytes loaded)."""
+        pages = request.pages
+        if not self._arena_is(request.arena):
+            # The store restarted between lookup and load: recompute.
+            self._load_errors.update(p.block_id for p in pages)
+            return 0, 0
+        assert self._arena is not None
+        loaded = nbytes = 0
+        for i, p in enumerate(pages):
+            page = self._arena.page(p.slot)
+            if checksum(page) != p.checksum:
+                # Never serve it: this block and the rest of the prefix are
+                # recomputed by vLLM.
+                bad.append(p.page_hash)
+                self._load_errors.update(q.block_id for q in pages[i:])
+                break
+            for layer in self._layers:
+                layer.load(page, p.block_id, non_blocking=self._stream is not None)
+            loaded += 1
+            nbytes += page.nbytes
+        return loaded, nbytes
 
     def save(self, saves: Sequence[PageSave]) -> None:
         if not saves or not self._layers:

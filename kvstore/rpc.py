@@ -21,7 +21,7 @@ import os
 import socket
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,13 +53,29 @@ class PageRef(msgspec.Struct, array_like=True, frozen=True):
     checksum: int
 
 
+class Fetch(msgspec.Struct, array_like=True, frozen=True):
+    """A fetch of pages from another node's store, as the lookups it served
+    report it."""
+
+    node: str
+    pages: int
+    nbytes: int
+    seconds: float
+
+
+# Pages found -> the recent fetch that brought one of them here, if any.
+FetchedHook = Callable[[Sequence[BlockHash]], Fetch | None]
+
+
 class Found(msgspec.Struct, array_like=True, frozen=True):
     """``lookup``'s answer: the pinned run of pages, or ``pending`` when another
-    node's pages are being fetched (ask again), and the arena the slots are in."""
+    node's pages are being fetched (ask again), and the arena the slots are in;
+    ``fetch``: the cross-node fetch that brought some of the pages, if recent."""
 
     refs: list[PageRef]
     pending: bool
     arena: str
+    fetch: Fetch | None = None
 
 
 class Reserved(msgspec.Struct, array_like=True, frozen=True):
@@ -85,9 +101,14 @@ class _Conn:
 
 class StoreServer:
     def __init__(
-        self, store: NodeStore, path: str, on_miss: MissHook | None = None
+        self,
+        store: NodeStore,
+        path: str,
+        on_miss: MissHook | None = None,
+        fetched: FetchedHook | None = None,
     ) -> None:
         self.store, self.path, self._on_miss = store, path, on_miss
+        self._fetched = fetched
         self._server: asyncio.AbstractServer | None = None
         self._open: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
         self._enc = msgspec.msgpack.Encoder()
@@ -156,7 +177,10 @@ class StoreServer:
             if refs:
                 conn.leases.add(lease)
             pinned = [PageRef(r.index, r.page_hash, r.checksum) for r in refs]
-            return Found(pinned, False, self._arena_name())
+            fetch = None
+            if refs and self._fetched is not None:
+                fetch = self._fetched([r.page_hash for r in refs])
+            return Found(pinned, False, self._arena_name(), fetch)
         if method == "release":
             for lease in args:
                 s.release(lease)

@@ -17,7 +17,9 @@ import uuid
 from typing import Any
 
 import ray
+from opentelemetry.trace import SpanKind
 
+from cluster import tracing
 from cluster.actors import NAMESPACE, singleton_options
 from cluster.checkpoint import Checkpoint
 from cluster.config import RouterConfig
@@ -27,7 +29,14 @@ from router.metrics import RouterMetrics
 from router.service import RouterService
 from router.settings import CoreSettings
 from router.stats import RouterStats
-from router.types import Release, ReplicaReport, RouteDecision, Shed, Ticket
+from router.types import (
+    Release,
+    ReplicaReport,
+    RouteDecision,
+    Shed,
+    Ticket,
+    Transition,
+)
 
 logger = logging.getLogger("moe_cluster.router")
 METRICS_INTERVAL_S = 1.0  # gauges from a snapshot this often
@@ -55,9 +64,12 @@ class DeepSeekRouter:
             RouterCore(
                 CoreSettings.of(config), num_experts=num_experts, clock=time.monotonic
             ),
-            on_transition=self._metrics.transition,
+            on_transition=self._transition,
             on_decision=self._metrics.decision,
         )
+        tracing.install("router")
+        tracing.install_log_context()
+        self._tracer = tracing.tracer()
         self._tasks: list[asyncio.Task[None]] = []
         logger.info("DeepSeekRouter up (policy %s)", config.policy)
 
@@ -65,17 +77,70 @@ class DeepSeekRouter:
         """The decision, or the ``Shed`` refusing it: returned, not raised, so it
         reaches the ingress as itself (Ray wraps what an actor raises)."""
         self._start()
-        try:
-            decision = await self._service.admit(ticket)
-        except Shed as e:
-            self._metrics.shed(ticket.qos, e.reason)
-            return e
-        self._metrics.admitted(ticket.qos)
+        A = tracing.Attr
+        qos = ticket.qos.name.lower()
+        tracing.REQUEST_ID.set(ticket.request_id)
+        with self._tracer.start_as_current_span(
+            "router.admit",
+            context=tracing.context_of(dict(ticket.trace)),
+            kind=SpanKind.INTERNAL,
+            attributes={
+                A.QOS: qos,
+                A.POLICY: self._config.policy,
+                A.PROMPT_TOKENS: ticket.prompt_tokens,
+                A.MAX_TOKENS: ticket.max_tokens,
+            },
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as span:
+            if ticket.expert_hist:
+                span.set_attribute(A.PREDICTED_EXPERTS, _top_experts(ticket))
+            try:
+                decision = await self._service.admit(ticket)
+            except Shed as e:
+                self._metrics.shed(ticket.qos, e.reason)
+                span.set_attribute(A.SHED_REASON, e.reason)
+                span.add_event("shed", {A.SHED_REASON: e.reason, "message": str(e)})
+                tracing.fail(span, e, f"shed:{e.reason}")
+                logger.info("shed %s (%s): %s", ticket.request_id, qos, e)
+                return e
+            span.set_attributes(
+                {
+                    A.REPLICA: decision.replica_id,
+                    A.REASON: decision.reason,
+                    A.CACHED_BLOCKS: decision.cached_blocks,
+                    A.QUEUE_WAIT: decision.queued_s,
+                }
+            )
+        self._metrics.admitted(ticket.qos, decision.queued_s)
         return decision
 
     async def release(self, release: Release) -> None:
         self._start()
-        self._service.release(release)
+        parent = tracing.context_of(dict(release.trace))
+        if parent is None:
+            self._service.release(release)
+            return
+        # A span of its own, so that a breaker transition this outcome causes is an
+        # event in the request's trace.
+        with self._tracer.start_as_current_span(
+            "router.release",
+            context=parent,
+            attributes={
+                "moe_cluster.router.outcome": release.outcome.value,
+                tracing.Attr.REPLICA: release.replica_id or "",
+            },
+        ):
+            self._service.release(release)
+
+    def _transition(self, t: Transition) -> None:
+        self._metrics.transition(t)
+        from opentelemetry import trace
+
+        trace.get_current_span().add_event(
+            "breaker.transition",
+            {"kind": t.kind, "key": t.key, "from": t.old, "to": t.new},
+        )
 
     async def report(self, report: ReplicaReport) -> str:
         """Merges a replica's report; returns this incarnation's id, so a replica
@@ -149,6 +214,14 @@ class DeepSeekRouter:
             logger=logger,
             first_after=0,
         )
+
+
+def _top_experts(ticket: Ticket, n: int = 8) -> list[int]:
+    """The experts the predictor expects this prompt to use most."""
+    ranked = sorted(
+        range(len(ticket.expert_hist)), key=lambda e: -ticket.expert_hist[e]
+    )
+    return [e for e in ranked[:n] if ticket.expert_hist[e] > 0]
 
 
 def get_or_create(

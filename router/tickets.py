@@ -7,7 +7,7 @@ only what the configured policy and breakers use is computed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from cluster.qos import QoS
 from kvstore.block_hash import block_hashes
@@ -35,6 +35,7 @@ class TicketMaker:
         max_tokens: int,
         deadline_s: float | None,
         tenant: str = "",
+        trace: Mapping[str, str] | None = None,
     ) -> Ticket:
         hashes = (
             block_hashes(prompt, self._block_size, salt=tenant or None)
@@ -49,4 +50,5 @@ class TicketMaker:
             deadline_s,
             hashes,
             self._predictor.histogram(prompt) if self._predictor else (),
+            tuple(trace.items()) if trace else (),
         )

@@ -24,6 +24,7 @@ class Ticket:
     deadline_s: float | None = None  # time-to-first-token budget from submission
     block_hashes: tuple[BlockHash, ...] = ()  # the prompt's full blocks, chained
     expert_hist: tuple[int, ...] = ()  # predicted token->expert hits per routed expert
+    trace: tuple[tuple[str, str], ...] = ()  # W3C trace context of the request
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 0 or self.max_tokens < 0:
@@ -68,6 +69,7 @@ class Release:
     outcome: Outcome
     replica_id: ReplicaId | None = None  # where it ran, when known
     ttft_s: float | None = None  # dispatch to first token
+    trace: tuple[tuple[str, str], ...] = ()  # W3C trace context of the request
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cluster import platform
+from cluster import platform, tracing
 from cluster.config import EngineConfig
 from cluster.platform import Backend
 from deployments.engine import kv_events
@@ -65,7 +65,11 @@ def engine_args(
         enforce_eager=config.enforce_eager,
         enable_prefix_caching=config.enable_prefix_caching,
         scheduling_policy="priority",
-        disable_log_stats=True,
+        # Stats on: vLLM's Prometheus metrics (re-exported through Ray by the
+        # engine's RayPrometheusStatLogger) are computed from them.
+        disable_log_stats=False,
+        # Set only when tracing is on: vLLM drops trace headers without it.
+        otlp_traces_endpoint=tracing.traces_endpoint(),
         kv_events_config=events,
         kv_transfer_config=transfer,
         worker_extension_cls=WORKER_EXTENSION if config.measures_expert_load else "",

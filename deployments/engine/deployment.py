@@ -19,6 +19,7 @@ from typing import Any
 import ray
 from ray import serve
 
+from cluster import tracing
 from cluster.config import ClusterConfig
 from cluster.loops import every
 from deployments.engine import kv_events
@@ -63,6 +64,7 @@ class EngineServer:
         placement: Placement | None = None,
         exit_process: Callable[[int], object] = os._exit,
     ) -> None:
+        tracing.install_log_context()
         where = placement or Placement.of_this_replica()
         replica_id = where.replica_id
         self._node_id = where.node_id
@@ -89,6 +91,7 @@ class EngineServer:
         self._engine = (engine_cls or self.engine_cls).start(
             config, replica_id, endpoint, socket, self._group
         )
+        self._engine.span_attributes |= _span_attributes(self._node_id, self._group)
         loop = asyncio.get_running_loop()
         if config.engine.measures_expert_load:
             await self._engine.measure_expert_load(config.engine.expert_load_window_s)
@@ -208,6 +211,15 @@ class EngineServer:
 
 EngineDeployment = serve.deployment(name="Engine")(EngineServer)
 EXIT_DELAY_S = 0.5
+
+
+def _span_attributes(node_id: str, group: GroupRank | None) -> dict[str, Any]:
+    A = tracing.Attr
+    attributes: dict[str, Any] = {A.NODE: node_id}
+    if group is not None:
+        attributes |= {A.EP_GROUP: group.group_id, A.EP_RANK: group.rank}
+        attributes[A.EP_SIZE] = group.size
+    return attributes
 
 
 async def _node_store(config: ClusterConfig) -> tuple[Any, str]:

@@ -10,10 +10,13 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from opentelemetry.trace import SpanKind
+
+from cluster import tracing
 from cluster.config import ClusterConfig
 from cluster.platform import EnginePlatform
 from cluster.qos import QoS
@@ -47,6 +50,7 @@ logger = logging.getLogger("moe_cluster.engine")
 class _Running:
     request: EngineRequest
     output_tokens: int = 0
+    first_token: bool = False
 
 
 class VLLMEngine:
@@ -74,6 +78,11 @@ class VLLMEngine:
         self.expert_load: ExpertLoadWindow | None = None
         self._started = 0  # requests (and warmup prefills) begun since has_work
         self.platform: EnginePlatform | None = None  # as vLLM runs it, once started
+        # Set on every request's span (replica, node, EP group and rank).
+        self.span_attributes: dict[str, Any] = {tracing.Attr.REPLICA: replica_id}
+        # vLLM takes trace headers only with its otlp_traces_endpoint set.
+        self._trace_headers = tracing.traces_endpoint() is not None
+        self._tracer = tracing.tracer()
 
     @classmethod
     def start(
@@ -99,7 +108,12 @@ class VLLMEngine:
             kv_store_socket,
             parallel,
         )
-        engine = AsyncLLM.from_engine_args(args)
+        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+        # vLLM's metrics under its own names, recorded in this replica's process
+        # (ray_vllm_* on Ray's endpoint, with a ReplicaId tag), as Ray Serve LLM
+        # records them: its Grafana dashboard joins on them.
+        engine = AsyncLLM.from_engine_args(args, stat_loggers=[RayPrometheusStatLogger])
         try:
             check_started(config.engine, engine.vllm_config)
         except RuntimeError:
@@ -122,6 +136,37 @@ class VLLMEngine:
         return started
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
+        A = tracing.Attr
+        s = request.sampling
+        tracing.REQUEST_ID.set(request.request_id)
+        span = self._tracer.start_span(
+            "engine.generate",
+            kind=SpanKind.INTERNAL,
+            attributes=self.span_attributes
+            | {
+                A.RESPONSE_ID: request.request_id,
+                A.QOS: request.qos.name.lower(),
+                A.MAX_TOKENS: s.max_tokens,
+                A.TEMPERATURE: s.temperature,
+                A.TOP_P: s.top_p,
+                A.INPUT_TOKENS: len(request.prompt_token_ids),
+            },
+        )
+        events = self._generate(request, span)
+        try:
+            async for event in events:
+                yield event
+        except BaseException as e:
+            if not isinstance(e, (GeneratorExit, asyncio.CancelledError)):
+                tracing.fail(span, e)
+            raise
+        finally:
+            await events.aclose()  # aborts the engine request now, not at GC
+            span.end()
+
+    async def _generate(
+        self, request: EngineRequest, span: Any
+    ) -> AsyncGenerator[EngineEvent, None]:
         from vllm.inputs import TokensPrompt
 
         rid = request.request_id
@@ -129,6 +174,7 @@ class VLLMEngine:
         self._started += 1
         completion = 0
         finished = False
+        headers = tracing.carrier(span) if self._trace_headers else None
         try:
             prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
             if request.tenant:  # tenants never share (or time) cached prefixes
@@ -138,6 +184,7 @@ class VLLMEngine:
                 sampling_params(request.sampling),
                 rid,
                 priority=int(request.qos),
+                trace_headers=headers or None,
             )
             yield Started(self.replica_id)
             batcher = DeltaBatcher(
@@ -152,10 +199,14 @@ class VLLMEngine:
                 running.output_tokens = completion
                 self.tokens_generated += len(seq.token_ids)
                 delta = batcher.add(list(seq.token_ids), seq.text, clock())
+                if completion and not running.first_token:
+                    running.first_token = True
+                    span.add_event("first_token")
                 if delta is not None:
                     yield delta
                 if out.finished:
                     finished = True
+                    _finished_span(span, out, seq.finish_reason, completion)
                     if (rest := batcher.flush(clock())) is not None:
                         yield rest
                     yield Finish(
@@ -285,6 +336,25 @@ class VLLMEngine:
 
     def shutdown(self) -> None:
         self._engine.shutdown()
+
+
+def _finished_span(span: Any, out: Any, reason: str | None, completion: int) -> None:
+    """The finished request's usage and where its engine time went (vLLM's
+    request stats: queued in the scheduler, prefill, decode)."""
+    A = tracing.Attr
+    attributes: dict[str, Any] = {
+        A.FINISH_REASONS: [_finish_reason(reason)],
+        A.OUTPUT_TOKENS: completion,
+        A.CACHED_TOKENS: out.num_cached_tokens or 0,
+    }
+    m = getattr(out, "metrics", None)
+    if m is not None and m.scheduled_ts:
+        attributes[A.ENGINE_QUEUED] = max(0.0, m.scheduled_ts - m.queued_ts)
+        if m.first_token_ts:
+            attributes[A.ENGINE_PREFILL] = max(0.0, m.first_token_ts - m.scheduled_ts)
+            attributes[A.ENGINE_DECODE] = max(0.0, m.last_token_ts - m.first_token_ts)
+            attributes[A.ENGINE_TTFT] = m.first_token_latency
+    span.set_attributes(attributes)
 
 
 def _finish_reason(reason: str | None) -> Any:

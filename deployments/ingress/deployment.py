@@ -20,6 +20,7 @@ from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
+from cluster import tracing
 from cluster.config import ClusterConfig
 from deployments.ingress import grpc_api, kv_warm, openai_api, validation
 from deployments.ingress.errors import CLIENT_ERRORS, ServiceError, status_of
@@ -27,6 +28,7 @@ from deployments.ingress.frontend import Frontend, ModelFacts
 from deployments.ingress.grpc_api import MalformedRequest
 from deployments.ingress.kv_warm import WarmRequest
 from deployments.ingress.router_client import RouterClient
+from deployments.ingress.telemetry import RequestTelemetry
 from deployments.proto import inference_pb2 as pb
 from deployments.protocol import EngineEvent, EngineRequest, Finish, TokenDelta
 from router import actor as router_actor
@@ -133,6 +135,7 @@ class Ingress:
 
         self._config = config
         self._engine = engine
+        tracing.install_log_context()
         facts = ModelFacts.from_checkpoint(
             config.model.path, config.model.served_name, config.engine.max_model_len
         )
@@ -163,9 +166,27 @@ class Ingress:
 
     # -- gRPC: moecluster.v1.Inference ---------------------------------------
 
-    def _grpc_auth(self, ctx: RayServegRPCContext) -> None:
+    def _grpc_auth(
+        self, ctx: RayServegRPCContext, tel: RequestTelemetry | None = None
+    ) -> None:
         metadata = dict(ctx.invocation_metadata())
-        self.frontend.authenticate(metadata.get("authorization"))
+        self._authenticate(metadata.get("authorization"), tel)
+
+    def _authenticate(
+        self, authorization: str | None, tel: RequestTelemetry | None
+    ) -> None:
+        if tel is None:
+            self.frontend.authenticate(authorization)
+            return
+        with tel.child("ingress.authenticate") as span:
+            try:
+                self.frontend.authenticate(authorization)
+            except Exception:
+                span.set_attribute(tracing.Attr.AUTH, "refused")
+                raise
+            outcome = "ok" if self._config.server.api_keys else "not-required"
+            span.set_attribute(tracing.Attr.AUTH, outcome)
+            tel.span.set_attribute(tracing.Attr.AUTH, outcome)
 
     @staticmethod
     def _grpc_fail(ctx: RayServegRPCContext, exc: BaseException) -> None:
@@ -184,19 +205,25 @@ class Ingress:
     async def Generate(
         self, request: Any, grpc_context: RayServegRPCContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        tel = RequestTelemetry("text_completion", self.frontend.facts.name, "grpc")
         try:
-            self._grpc_auth(grpc_context)
+            self._grpc_auth(grpc_context, tel)
             if isinstance(request, MalformedRequest):
                 raise validation.InvalidRequest("request", request.message)
-            req, deadline = grpc_api.engine_request(request, self.frontend)
-            async for event in self.frontend.stream(req, deadline):
+            with tel.child("ingress.validate"):
+                req, deadline = grpc_api.engine_request(request, self.frontend)
+            tel.request(req, stream=True)
+            async for event in self.frontend.stream(req, deadline, tel):
                 if isinstance(event, TokenDelta):
                     yield grpc_api.chunk_message(req.request_id, event)
                 elif isinstance(event, Finish):
                     yield grpc_api.finished_message(req.request_id, event)
         except Exception as e:
+            tel.failed(e, getattr(e, "error_type", None))
             self._grpc_fail(grpc_context, e)
             raise StreamFailed(grpc_context.details()) from None
+        finally:
+            tel.end()
 
     async def Abort(
         self, request: Any, grpc_context: RayServegRPCContext
@@ -340,35 +367,43 @@ class Ingress:
         return await self._openai(request, "chat")
 
     async def _openai(self, request: Request, kind: str) -> Response:
+        operation = "chat" if kind == "chat" else "text_completion"
+        tel = RequestTelemetry(operation, self.frontend.facts.name, "http")
+        streaming = False
         try:
-            self.frontend.authenticate(request.headers.get("authorization"))
+            self._authenticate(request.headers.get("authorization"), tel)
             body = await request.body()
             limit = self._config.server.max_prompt_bytes + 64 * 1024
-            if len(body) > limit:
-                raise validation.InvalidRequest(
-                    "body", f"is {len(body)} bytes; the limit is {limit}"
+            with tel.child("ingress.validate"):
+                if len(body) > limit:
+                    raise validation.InvalidRequest(
+                        "body", f"is {len(body)} bytes; the limit is {limit}"
+                    )
+                req, engine_req, deadline = openai_api.engine_request(
+                    body, kind, self.frontend, request.headers
                 )
-            req, engine_req, deadline = openai_api.engine_request(
-                body, kind, self.frontend, request.headers
-            )
+            tel.request(engine_req, stream=bool(req.stream))
             shape = openai_api.ResponseShape(
                 "chat" if kind == "chat" else "completion",
                 engine_req.request_id,
                 self.frontend.facts.name,
             )
-            events = self.frontend.stream(engine_req, deadline)
+            tel.response_id(shape.id)
+            events = self.frontend.stream(engine_req, deadline, tel)
             # Wait for the first token before answering, so that overload, a
             # missed deadline or a dead engine still get a proper status code.
             first = await _first_output(events)
-        except Exception as e:
-            return self._http_error(e)
-        if req.stream:
-            return StreamingResponse(
-                _sse(shape, first, events, req.include_usage()),
-                media_type="text/event-stream",
-            )
-        try:
+            if req.stream:
+                streaming = True  # the stream ends the span
+                return StreamingResponse(
+                    _sse(shape, first, events, req.include_usage()),
+                    media_type="text/event-stream",
+                )
             text, finish = await _collect(first, events)
+            return JSONResponse(shape.full(text, finish))
         except Exception as e:
+            tel.failed(e)
             return self._http_error(e)
-        return JSONResponse(shape.full(text, finish))
+        finally:
+            if not streaming:
+                tel.end()

@@ -13,13 +13,15 @@ import contextlib
 import dataclasses
 import hmac
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 
+from cluster import tracing
 from cluster.checkpoint import Checkpoint
+from cluster.tracing import Attr
 from deployments.ingress.errors import (
     CLIENT_ERRORS,
     AlreadyInFlight,
@@ -28,10 +30,11 @@ from deployments.ingress.errors import (
     Overloaded,
     Unauthenticated,
 )
+from deployments.ingress.telemetry import RequestTelemetry
 from deployments.ingress.validation import InvalidRequest, Limits
 from deployments.protocol import EngineEvent, EngineRequest, Finish, Started, TokenDelta
 from router.tickets import TicketMaker
-from router.types import Outcome, Release, ReplicaId, RouteDecision, Ticket
+from router.types import Outcome, Release, ReplicaId, RouteDecision, Shed, Ticket
 
 logger = logging.getLogger("moe_cluster.ingress")
 
@@ -67,6 +70,7 @@ class _Placement:
     started: bool = False
     ttft_s: float | None = None
     expert_hist: tuple[int, ...] = ()
+    trace: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +124,10 @@ class _NotOpen:
 _NOT_OPEN = _NotOpen()
 
 
+def _tokenize_span() -> Any:
+    return tracing.tracer().start_as_current_span("ingress.tokenize")
+
+
 def _cancel(stream: EngineStream) -> None:
     """Best-effort cancel: Serve re-raises a request's assignment failure (e.g.
     BackPressureError) from ``cancel()`` when there is nothing left to cancel."""
@@ -171,33 +179,72 @@ class Frontend:
             raise Unauthenticated("invalid API key")
 
     def encode_text(self, text: str) -> list[int]:
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
+        with _tokenize_span() as span:
+            ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
+            span.set_attribute(Attr.PROMPT_TOKENS, len(ids))
         return ids
 
     def encode_chat(self, messages: Sequence[dict[str, str]], field: str) -> list[int]:
-        try:
-            ids = self.tokenizer.apply_chat_template(
-                list(messages),
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
-            )
-        except Exception as e:  # a template raising on odd input is a client error
-            raise InvalidRequest(
-                field, f"chat template rejected the messages: {e}"
-            ) from None
+        with _tokenize_span() as span:
+            try:
+                ids = self.tokenizer.apply_chat_template(
+                    list(messages),
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=False,
+                )
+            except Exception as e:  # a template raising on odd input: client error
+                raise InvalidRequest(
+                    field, f"chat template rejected the messages: {e}"
+                ) from None
+            span.set_attribute(Attr.PROMPT_TOKENS, len(ids))
         return [int(t) for t in ids]
 
     # -- streaming -----------------------------------------------------------
 
     async def stream(
-        self, request: EngineRequest, deadline_s: float | None = None
+        self,
+        request: EngineRequest,
+        deadline_s: float | None = None,
+        telemetry: RequestTelemetry | None = None,
     ) -> AsyncIterator[EngineEvent]:
         """Engine events of ``request``; ends with one ``Finish`` or raises.
 
         ``deadline_s`` bounds the wait for the first token. An ``abort`` ends the
-        stream with ``Finish(reason="abort")``.
+        stream with ``Finish(reason="abort")``. ``telemetry`` (the request's span)
+        is told what happens and ended with the stream.
         """
+        if telemetry is None:
+            async for event in self._stream(request, deadline_s, None):
+                yield event
+            return
+        tel = telemetry
+        events = self._stream(request, deadline_s, tel)
+        try:
+            async for event in events:
+                if isinstance(event, TokenDelta):
+                    tel.first_token()
+                elif isinstance(event, Started):
+                    tel.started(event.replica_id)
+                elif isinstance(event, Finish):
+                    tel.finished(event)
+                yield event
+        except Shed as e:
+            tel.failed(e, f"shed:{e.reason}")
+            raise
+        except Exception as e:
+            tel.failed(e)
+            raise
+        finally:
+            await events.aclose()
+            tel.end()
+
+    async def _stream(
+        self,
+        request: EngineRequest,
+        deadline_s: float | None,
+        tel: RequestTelemetry | None,
+    ) -> AsyncGenerator[EngineEvent, None]:
         rid = request.request_id
         if rid in self._inflight:
             raise AlreadyInFlight(f"request_id {rid!r} is already in flight")
@@ -207,7 +254,7 @@ class Frontend:
         done = False
         outcome = Outcome.CANCELLED  # unless it finishes, or the replica fails it
         try:
-            events, head = await self._open(request, deadline_s)
+            events, head = await self._open(request, deadline_s, tel)
             async for event in _chain(head, events):
                 if isinstance(event, Started):
                     replica = event.replica_id
@@ -257,13 +304,17 @@ class Frontend:
             self._settle(rid, outcome)
 
     async def _admit(
-        self, request: EngineRequest, deadline: float | None
+        self,
+        request: EngineRequest,
+        deadline: float | None,
+        tel: RequestTelemetry | None,
     ) -> EngineRequest:
         """Waits for the router to dispatch ``request``; returns it placed."""
         if self._admission is None:
             return request
         loop = asyncio.get_running_loop()
         remaining = None if deadline is None else max(deadline - loop.time(), 1e-3)
+        trace = tel.carrier() if tel is not None else {}
         ticket = self._admission.tickets.make(
             request.request_id,
             request.qos,
@@ -271,6 +322,7 @@ class Frontend:
             request.sampling.max_tokens,
             remaining,
             request.tenant,
+            trace,
         )
         waiting = asyncio.ensure_future(self._admission.admit(ticket))
         self._inflight[request.request_id] = _NotOpen(waiting)
@@ -284,7 +336,10 @@ class Frontend:
             self._admission.release(Release(request.request_id, Outcome.CANCELLED))
             raise
         self._placed[request.request_id] = _Placement(
-            decision.replica_id, loop.time(), expert_hist=decision.expert_hist
+            decision.replica_id,
+            loop.time(),
+            expert_hist=decision.expert_hist,
+            trace=ticket.trace,
         )
         return dataclasses.replace(request, replica_id=decision.replica_id)
 
@@ -293,10 +348,15 @@ class Frontend:
         if placed is None or self._admission is None:
             return
         replica = ReplicaId(placed.replica_id)
-        self._admission.release(Release(rid, outcome, replica, placed.ttft_s))
+        self._admission.release(
+            Release(rid, outcome, replica, placed.ttft_s, placed.trace)
+        )
 
     async def _open(
-        self, request: EngineRequest, deadline_s: float | None
+        self,
+        request: EngineRequest,
+        deadline_s: float | None,
+        tel: RequestTelemetry | None = None,
     ) -> tuple[AsyncIterator[EngineEvent], list[EngineEvent]]:
         """Admits the request, opens its engine stream and reads up to its first
         output.
@@ -309,8 +369,12 @@ class Frontend:
         loop = asyncio.get_running_loop()
         deadline = None if deadline_s is None else loop.time() + deadline_s
         for attempt in range(1, OPEN_ATTEMPTS + 1):
-            placed_request = await self._admit(request, deadline)
-            stream = self._open_stream(placed_request)
+            placed_request = await self._admit(request, deadline, tel)
+            if tel is None:
+                stream = self._open_stream(placed_request)
+            else:
+                with tel.current():  # Serve's handle call: a child of this request
+                    stream = self._open_stream(placed_request)
             self._inflight[rid] = stream
             events = aiter(stream)
             head: list[EngineEvent] = []

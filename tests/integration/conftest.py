@@ -21,9 +21,11 @@ from typing import Any
 
 import pytest
 
+from cluster import tracing
 from cluster.config import ClusterConfig
 from cluster.platform import EnginePlatform
 from deployments.ingress.client import InferenceClient
+from tests.otlp_receiver import OTLPReceiver
 from tests.waiting import wait_until  # noqa: F401 (the tests import it from here)
 
 API_KEY = "test-key-123"
@@ -70,6 +72,7 @@ class Served:
     api_key: str
     metrics_url: str  # Ray's Prometheus endpoint
     application: str = ""  # Serve app named in gRPC calls ("": the only one)
+    traces: OTLPReceiver | None = None  # where every process exports its spans
 
     def client(self, api_key: str | None = None) -> InferenceClient:
         return InferenceClient(
@@ -132,10 +135,21 @@ def served(tiny_model: Path) -> Iterator[Served]:
     from ray import serve
 
     from deployments.app import deploy, prepare_model
+    from deployments.ray_connect import logging_config
 
     config = prepare_model(ClusterConfig.model_validate(app_settings(tiny_model)))
     assert config.engine_platform() == PLATFORM
     metrics_port = free_port()
+    # Traces on, the standard way, before Ray starts: every worker inherits it.
+    receiver_port = free_port()
+    os.environ.update(
+        {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver_port}",
+            "OTEL_SERVICE_NAME": "moe-cluster-test",
+            "OTEL_BSP_SCHEDULE_DELAY": "200",  # export within 0.2 s
+        }
+    )
+    tracing.apply_serve_env(tracing.settings())
     # A new local cluster, whatever a killed run left in Ray's temp directory.
     # 4 logical CPUs on 2 cores: another app's engines (test_backends.py) run
     # beside the session's, which idle meanwhile.
@@ -145,7 +159,11 @@ def served(tiny_model: Path) -> Iterator[Served]:
         include_dashboard=False,
         namespace="moe-cluster-test",
         _metrics_export_port=metrics_port,
+        logging_config=logging_config("TEXT"),
     )
+    # Started after Ray: a gRPC server started before ray.init kept Ray's
+    # dashboard from starting.
+    receiver = OTLPReceiver(receiver_port).start()
     deploy(config)
     # Every test below runs on the backend the header names: the engines say so.
     handle = serve.get_deployment_handle("Engine", config.server.app_name)
@@ -162,12 +180,14 @@ def served(tiny_model: Path) -> Iterator[Served]:
         # Named in every call: with another app beside it (test_backends.py)
         # Serve's gRPC proxy needs to know which.
         application=s.app_name,
+        traces=receiver,
     )
     serve.shutdown()
     from kvstore import actor as kv_actor
 
     kv_actor.kill(config.server.app_name)  # unlinks the arenas
     ray.shutdown()
+    receiver.stop()
 
 
 @contextmanager
@@ -194,6 +214,7 @@ def another_app(served: Served, settings: dict[str, Any]) -> Iterator[Served]:
             served.api_key,
             served.metrics_url,
             application=app,
+            traces=served.traces,
         )
     finally:
         serve.delete(app)

@@ -163,3 +163,55 @@ def test_a_prompt_without_a_full_block_to_spare_asks_nothing(prompt: int) -> Non
     s, _ = scheduler(store)
     assert s.get_num_new_matched_tokens(Req("r1", prompt, H[: prompt // B]), 0) == 0
     assert store.calls == []
+
+
+def test_a_traced_request_has_lookup_and_fetch_in_its_trace() -> None:
+    from cluster import tracing
+    from kvstore.rpc import Fetch
+    from tests.spans import named, recorder
+
+    spans = recorder()
+    with tracing.tracer().start_as_current_span("engine.generate") as parent:
+        headers = tracing.carrier()
+    store = ScriptedStore(stored=H[:4], pending=True)
+    s, _ = scheduler(store)
+    req = Req("r1", 5 * B, H[:5])
+    req.trace_headers = headers  # type: ignore[attr-defined]
+    assert s.get_num_new_matched_tokens(req, B) is None  # fetching: wait
+    store.pending = False
+    fetch = Fetch("node-b", 3, 3 * 4096, 0.02)
+    lookup = store.lookup
+
+    def answered_after_the_fetch(*args: Any) -> Found:
+        found = lookup(*args)
+        return Found(found.refs, False, found.arena, fetch)
+
+    store.lookup = answered_after_the_fetch  # type: ignore[method-assign]
+    assert s.get_num_new_matched_tokens(req, B) == 3 * B
+    waited, done = named(spans, "kvstore.lookup")
+    for span in (waited, done):
+        assert span.parent is not None
+        assert span.parent.span_id == parent.get_span_context().span_id
+    assert "fetch.pending" in [e.name for e in waited.events]
+    a = done.attributes or {}
+    assert a["moe_cluster.kv.pages_asked"] == 4
+    assert a["moe_cluster.kv.pages_in_engine"] == 1
+    assert a["moe_cluster.kv.pages_found"] == 3
+    assert a["moe_cluster.kv.fetch_wait_s"] >= 0
+    assert (a["moe_cluster.kv.fetch.from_node"], a["moe_cluster.kv.fetch.bytes"]) == (
+        "node-b",
+        3 * 4096,
+    )
+    # The load planned for it carries the trace on to the worker.
+    s.update_state_after_alloc(req, [10, 11, 12, 13, 14], 3 * B)
+    loads, _ = s.plan_step({}, None)
+    assert loads["r1"].trace == headers
+
+
+def test_an_untraced_request_makes_no_spans() -> None:
+    from tests.spans import named, recorder
+
+    spans = recorder()
+    s, _ = scheduler(ScriptedStore(stored=H[:4]))
+    assert s.get_num_new_matched_tokens(Req("r1", 5 * B, H[:5]), 0) == 4 * B
+    assert named(spans, "kvstore.lookup") == []

@@ -77,11 +77,12 @@ def test_an_engine_opens_writes_commits_and_finds_pages(
         assert name == arena.name
         crcs = [arena.write(s, np.full(PAGE, 7, np.uint8)) for s in slots]
         c.call("commit", list(zip(slots, crcs, strict=True)))
-        refs, pending, name = c.call("lookup", "r1", [H[0], H[3]], "", [], 16)
+        refs, pending, name, fetch = c.call("lookup", "r1", [H[0], H[3]], "", [], 16)
         assert name == arena.name
         assert [r[1] for r in refs] == [H[0]] and not pending  # nobody has H3
+        assert fetch is None  # nothing here was fetched from another node
         assert misses == [1]
-        refs, pending, _ = c.call("lookup", "r2", [H[0], H[1]], "", [], 16)
+        refs, pending, _, _ = c.call("lookup", "r2", [H[0], H[1]], "", [], 16)
         assert refs == [] and pending  # fetching: nothing held meanwhile
         assert store.summary()["leases"] == 1
         c.call("release", "r1")

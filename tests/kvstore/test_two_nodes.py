@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import PLATFORM
-from tests.kvstore.two_nodes import EnginesRun, Fetched
+from tests.kvstore.two_nodes import PAGE, EnginesRun, Fetched
 
 
 @pytest.mark.integration
@@ -41,6 +41,16 @@ def test_a_page_held_on_node_1_is_fetched_by_node_2(
     assert result.imported_pages == 8  # ...which brought the pages over
     assert result.stores_on_their_nodes == {"node-1": True, "node-2": True}
     assert result.distinct_arenas
+    # The lookup that found them reports the fetch (a traced request's
+    # kvstore.lookup span carries it), and node 2 exports it as metrics.
+    assert result.fetch is not None
+    assert (result.fetch.pages, result.fetch.nbytes) == (8, 8 * PAGE)
+    assert result.fetch.seconds > 0
+    assert result.metrics["ray_moe_cluster_kv_fetches_total"]
+    assert any(
+        'outcome="ok"' in s for s in result.metrics["ray_moe_cluster_kv_fetches_total"]
+    )
+    assert result.metrics["ray_moe_cluster_kv_fetched_bytes_total"]
     # Engines: node 2's engine loads the prompt node 1's engine computed.
     assert engines.node_1_cached == 0
     block = engines.block_size

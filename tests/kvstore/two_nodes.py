@@ -18,6 +18,7 @@ which asserts on the ``Fetched`` and ``EnginesRun`` it records.
 from __future__ import annotations
 
 import pickle
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from cluster.config import KVStoreConfig
 from kvstore import actor as kv_actor
 from kvstore.arena import Arena
 from kvstore.block_hash import block_hashes
-from kvstore.rpc import StoreClient, Written
+from kvstore.rpc import Fetch, StoreClient, Written
 
 # The engines run what the test session's do (auto, or MOE_CLUSTER_TEST_BACKEND).
 from tests.integration.conftest import PLATFORM
@@ -57,6 +58,8 @@ class Fetched:
     imported_pages: int  # node 2's store's count
     stores_on_their_nodes: dict[str, bool]
     distinct_arenas: bool
+    fetch: Fetch | None  # the fetch the final lookup reported
+    metrics: dict[str, list[str]]  # node 2's moe_cluster_kv_fetch* samples
 
 
 @dataclass(frozen=True)
@@ -71,12 +74,52 @@ class EnginesRun:
     block_size: int
 
 
+# What only a cluster of several nodes exports (infra/ queries them too).
+FETCH_METRICS = (
+    "ray_moe_cluster_kv_fetches_total",
+    "ray_moe_cluster_kv_fetched_bytes_total",
+    "ray_moe_cluster_kv_fetch_seconds_count",
+)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def fetch_metrics(port: int) -> dict[str, list[str]]:
+    """Node 2's fetch samples on its metrics endpoint, once all three are there
+    (Ray's agent exports every few seconds)."""
+    import httpx
+
+    names = FETCH_METRICS
+
+    def samples() -> dict[str, list[str]]:
+        try:
+            body = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        except httpx.HTTPError:
+            return {}
+        got = {
+            n: [ln for ln in body.splitlines() if ln.startswith(n + "{")] for n in names
+        }
+        return got if all(got.values()) else {}
+
+    try:
+        return dict(wait_until(samples, 60, "node 2's fetch metrics"))
+    except AssertionError:
+        return {}
+
+
 def main() -> None:
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 1, "resources": {"node-1": 1}},
     )
-    cluster.add_node(num_cpus=1, resources={"node-2": 1})
+    metrics_port = free_port()
+    cluster.add_node(
+        num_cpus=1, resources={"node-2": 1}, metrics_export_port=metrics_port
+    )
     # (one CPU each: an engine per node)
     ray.init(address=cluster.address, namespace=kv_actor.NAMESPACE)
     cluster.wait_for_nodes()
@@ -103,12 +146,14 @@ def main() -> None:
 
     t0 = time.monotonic()
     pending_answers = 0
+    fetch: Fetch | None = None
 
     def found() -> list[Any]:
         # As vLLM's scheduler does: ask again while the answer is "pending".
-        nonlocal pending_answers
+        nonlocal pending_answers, fetch
         answer = c2.lookup("req", hashes, "", [], 16, 0)
         pending_answers += answer.pending
+        fetch = answer.fetch
         return answer.refs
 
     refs = wait_until(found, 10, "node 2 to find node 1's pages")
@@ -131,6 +176,8 @@ def main() -> None:
             imported_pages=summary2["imported_pages"],
             stores_on_their_nodes=where,
             distinct_arenas=a1.name != a2.name,
+            fetch=fetch,
+            metrics=fetch_metrics(metrics_port),
         )
     ]
     a1.close()

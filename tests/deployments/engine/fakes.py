@@ -28,6 +28,7 @@ class FakeAsyncLLM:
     failure: BaseException | None = None
     hold: asyncio.Event | None = None  # when set, streams wait on it after step 1
     calls: list[tuple[Any, ...]] = field(default_factory=list)
+    trace_headers: list[Any] = field(default_factory=list)  # per generate call
     aborted: list[str] = field(default_factory=list)
     unfinished: int = 0
     shut_down: bool = False
@@ -43,9 +44,15 @@ class FakeAsyncLLM:
         )
 
     async def generate(
-        self, prompt: Any, params: Any, request_id: str, priority: int = 0
+        self,
+        prompt: Any,
+        params: Any,
+        request_id: str,
+        priority: int = 0,
+        trace_headers: Any = None,
     ) -> AsyncIterator[Any]:
         self.calls.append((prompt, params, request_id, priority))
+        self.trace_headers.append(trace_headers)
         self.unfinished += 1
         try:
             for i, step in enumerate(self.steps):

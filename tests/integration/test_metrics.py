@@ -1,0 +1,131 @@
+"""What Ray's Prometheus endpoint carries for an operator: vLLM's engine metrics
+under vLLM's own names, recorded in each engine replica (as Ray Serve LLM records
+them, so its Grafana dashboard works), and the cluster's own."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from deployments.proto import inference_pb2 as pb
+from tests.integration.conftest import (
+    PLATFORM,
+    Served,
+    engine_stats,
+    metric_lines,
+    wait_until,
+)
+from tests.integration.test_kvstore import generate, unique_prompt
+
+# vLLM's names, as Ray re-exports them (ray_ prefix, ':' made '_').
+ENGINE_METRICS = [
+    "ray_vllm_time_to_first_token_seconds_bucket",
+    "ray_vllm_inter_token_latency_seconds_bucket",
+    "ray_vllm_e2e_request_latency_seconds_bucket",
+    "ray_vllm_request_queue_time_seconds_bucket",
+    "ray_vllm_request_prefill_time_seconds_bucket",
+    "ray_vllm_request_decode_time_seconds_bucket",
+    "ray_vllm_num_requests_running",
+    "ray_vllm_num_requests_waiting",
+    "ray_vllm_kv_cache_usage_perc",
+    "ray_vllm_prefix_cache_queries_total",
+    "ray_vllm_prefix_cache_hits_total",
+    # Per request (the counter vllm:num_preemptions appears at the first one).
+    "ray_vllm_request_num_preemptions_bucket",
+    "ray_vllm_prompt_tokens_total",
+    "ray_vllm_generation_tokens_total",
+    "ray_vllm_request_success_total",
+]
+CLUSTER_METRICS = [
+    "ray_moe_cluster_ttft_seconds_bucket",
+    "ray_moe_cluster_router_queue_wait_seconds_bucket",
+    "ray_moe_cluster_requests_total",
+    "ray_gen_ai_server_time_to_first_token_seconds_bucket",
+    "ray_gen_ai_server_time_per_output_token_seconds_bucket",
+    "ray_gen_ai_server_request_duration_seconds_bucket",
+    "ray_moe_cluster_router_replica_breaker",
+    "ray_moe_cluster_router_group_breaker",
+    "ray_moe_cluster_kv_hit_pages_total",
+    "ray_moe_cluster_kv_hit_bytes_total",
+]
+
+
+def exported(missing: Callable[[], list[str]]) -> None:
+    """Waits until ``missing()`` is empty (Ray exports every few seconds)."""
+    with contextlib.suppress(AssertionError):
+        wait_until(lambda: not missing(), timeout=90, what="the metrics")
+    assert missing() == []
+
+
+def some_traffic(served: Served, engine_handle: Any) -> None:
+    """Requests of every class over both protocols, and a prompt computed on one
+    replica and then loaded from the page store by the other."""
+    a, b = sorted(engine_stats(engine_handle))
+    prompt = unique_prompt(3 * PLATFORM.block_size + 1)
+    generate(engine_handle, a, prompt)
+    generate(engine_handle, b, prompt)
+    client = served.client()
+    try:
+        for qos in (pb.REALTIME, pb.NORMAL, pb.BACKGROUND):
+            request = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=list(range(5, 5 + 3 * 64))),
+                sampling=pb.SamplingParams(max_tokens=4, temperature=0),
+                qos=qos,
+            )
+            list(client.generate(request, timeout=120))
+    finally:
+        client.close()
+    r = httpx.post(
+        f"{served.http_base}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {served.api_key}"},
+        json={
+            "model": "tiny-deepseek-v2",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+        },
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+
+
+def test_engine_metrics_are_vllms_own_recorded_in_each_replica(
+    served: Served, engine_handle: Any
+) -> None:
+    some_traffic(served, engine_handle)
+
+    def missing() -> list[str]:
+        return [m for m in ENGINE_METRICS if not metric_lines(served, m)]
+
+    exported(missing)
+    for line in metric_lines(served, "ray_vllm_time_to_first_token_seconds_count"):
+        # The labels Ray Serve LLM's dashboard filters and joins on.
+        assert 'model_name="tiny-deepseek-v2"' in line
+        assert "ReplicaId=" in line and "WorkerId=" in line
+    replicas = {
+        line.split('ReplicaId="')[1].split('"')[0]
+        for line in metric_lines(served, "ray_vllm_num_requests_running")
+    }
+    assert len(replicas) >= 2  # one series per engine replica
+
+
+def test_the_clusters_own_metrics_are_exported(
+    served: Served, engine_handle: Any
+) -> None:
+    some_traffic(served, engine_handle)
+
+    def missing() -> list[str]:
+        return [m for m in CLUSTER_METRICS if not metric_lines(served, m)]
+
+    exported(missing)
+    ttft = metric_lines(served, "ray_moe_cluster_ttft_seconds_count")
+    assert {
+        q
+        for q in ("realtime", "normal", "background")
+        if any(f'qos="{q}"' in line for line in ttft)
+    } == {"realtime", "normal", "background"}
+    genai = metric_lines(served, "ray_gen_ai_server_time_to_first_token_seconds_count")
+    assert any('gen_ai_operation_name="chat"' in line for line in genai)
+    assert any('gen_ai_operation_name="text_completion"' in line for line in genai)
