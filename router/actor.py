@@ -30,6 +30,7 @@ from router.service import RouterService
 from router.settings import CoreSettings
 from router.stats import RouterStats
 from router.types import (
+    Outcome,
     Release,
     ReplicaReport,
     RouteDecision,
@@ -117,12 +118,14 @@ class DeepSeekRouter:
 
     async def release(self, release: Release) -> None:
         self._start()
-        parent = tracing.context_of(dict(release.trace))
+        parent = None
+        if release.outcome in (Outcome.FAILED, Outcome.TIMEOUT):
+            parent = tracing.context_of(dict(release.trace))
         if parent is None:
             self._service.release(release)
             return
-        # A span of its own, so that a breaker transition this outcome causes is an
-        # event in the request's trace.
+        # A failure gets a span of its own, so that a breaker transition it causes
+        # is an event in the request's trace.
         with self._tracer.start_as_current_span(
             "router.release",
             context=parent,

@@ -226,7 +226,11 @@ class VLLMEngine:
         await self._engine.abort(request_id)
 
     async def prefill(
-        self, tokens: list[int] | None = None, text: str = "", tenant: str = ""
+        self,
+        tokens: list[int] | None = None,
+        text: str = "",
+        tenant: str = "",
+        trace_headers: dict[str, str] | None = None,
     ) -> int:
         """Runs a prompt for one token so its pages are loaded (or computed and
         saved); returns how many of its tokens came from cache."""
@@ -245,6 +249,7 @@ class VLLMEngine:
             SamplingParams(max_tokens=1),
             f"warmup-{uuid.uuid4().hex}",
             priority=int(QoS.BACKGROUND),
+            trace_headers=trace_headers or None,
         ):
             if out.finished:
                 cached = out.num_cached_tokens or 0
@@ -258,12 +263,25 @@ class VLLMEngine:
         if not prompts:
             return
         t = time.monotonic()
-        jobs = [self.prefill(ids, text, tenant) for ids, text, tenant in prompts]
-        try:
-            cached = await asyncio.wait_for(asyncio.gather(*jobs), timeout_s)
-        except TimeoutError:
-            logger.warning("warmup cut short after %.0f s", timeout_s)
-            return
+        # A trace of its own (the replica has no request yet): one span, each
+        # prefill's vLLM span under it.
+        with self._tracer.start_as_current_span(
+            "engine.warmup",
+            attributes=self.span_attributes
+            | {"moe_cluster.warmup.prompts": len(prompts)},
+        ) as span:
+            headers = tracing.carrier(span) if self._trace_headers else None
+            jobs = [
+                self.prefill(ids, text, tenant, headers)
+                for ids, text, tenant in prompts
+            ]
+            try:
+                cached = await asyncio.wait_for(asyncio.gather(*jobs), timeout_s)
+            except TimeoutError as e:
+                tracing.fail(span, e, "timeout")
+                logger.warning("warmup cut short after %.0f s", timeout_s)
+                return
+            span.set_attribute("moe_cluster.warmup.cached_tokens", sum(cached))
         self.warmed = (len(jobs), sum(cached))
         logger.info(
             "warmed %d prefixes (%d tokens from the page store) in %.2f s",

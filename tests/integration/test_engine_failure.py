@@ -92,6 +92,32 @@ def test_dead_engine_fails_its_streams_opens_its_breaker_and_is_replaced(
     opened = [t for t in transitions if t.key == victim.replica_id]
     assert opened and opened[0].new == "open", transitions
     assert opened[0].detail == "3 consecutive failures"
+    # ... an event in the trace of the failure that opened it ...
+    assert served.traces is not None
+    traces = served.traces
+
+    def opened_in_a_trace() -> Any:
+        return next(
+            (
+                (s, attrs)
+                for s in traces.spans()
+                if s.name == "router.release"
+                for name, attrs in s.events
+                if name == "breaker.transition"
+                and attrs["key"] == victim.replica_id
+                and attrs["to"] == "open"
+            ),
+            None,
+        )
+
+    release, _ = wait_until(opened_in_a_trace, 30, "the breaker event in a trace")
+    assert release.attributes["moe_cluster.router.outcome"] == "failed"
+    failed = [
+        s
+        for s in traces.spans(release.trace_id)
+        if s.name.startswith("text_completion")
+    ]
+    assert failed and failed[0].error  # the request it failed
     # ... and traffic goes to the surviving replica meanwhile.
     ok = pb.GenerateRequest(
         token_ids=pb.TokenIds(ids=[5, 6]), sampling=pb.SamplingParams(max_tokens=4)
@@ -131,6 +157,28 @@ def test_dead_engine_fails_its_streams_opens_its_breaker_and_is_replaced(
     # It ran the cluster's hot prefixes (loaded from the store) before traffic...
     assert now[new].warmed_prefixes >= 1
     assert now[new].warmed_cached_tokens >= 5 * BLOCK
+    # The warmup is a trace of its own, each prefill's vLLM span under it.
+    assert served.traces is not None
+    traces = served.traces
+
+    def warmup() -> Any:
+        return next(
+            (
+                s
+                for s in traces.spans()
+                if s.name == "engine.warmup"
+                and s.attributes.get("moe_cluster.replica") == new
+            ),
+            None,
+        )
+
+    span = wait_until(warmup, 30, "the replacement's warmup span")
+    assert span.attributes["moe_cluster.warmup.prompts"] == now[new].warmed_prefixes
+    assert span.attributes["moe_cluster.warmup.cached_tokens"] == (
+        now[new].warmed_cached_tokens
+    )
+    prefills = [s for s in traces.spans(span.trace_id) if s.name == "llm_request"]
+    assert len(prefills) == now[new].warmed_prefixes
     # ... and serves the pages stored before the crash.
     assert generate(engine_handle, new, kept).finish.cached_tokens == 6 * BLOCK
     store_after = ray.get(store.summary.remote())
