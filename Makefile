@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= cluster/configs/tiny-cpu.yaml
 MODEL  := .models/tiny-deepseek-v2
 
-.PHONY: install serve test test-cpu-mla lint unit model proto clean bench-peers bench-qos bench-kv bench-ep
+.PHONY: install serve test test-cpu-mla lint unit model proto clean bench-peers bench-qos bench-kv bench-ep bench-tracing
 
 install: $(STAMP)
 
@@ -71,3 +71,7 @@ bench-kv: model
 bench-ep: model
 	$(BIN)/python -m tests.perf.ep_group
 	$(BIN)/python -m tests.ep.two_nodes $(MODEL) .models/ep-phases.pickle | grep '^phase'
+
+# S1 with tracing off and on at ratio 1.0, three times each, in one run (~10 min).
+bench-tracing: model
+	$(BIN)/python -m tests.perf.tracing_overhead
