@@ -236,7 +236,7 @@ def test_without_a_traceparent_the_proxy_starts_the_trace(served: Served) -> Non
     from tests.waiting import wait_until
 
     span = wait_until(request_span, timeout=30, what="the request's span")
-    spans = receiver(served).spans(span.trace_id)
+    spans = receiver(served).wait_for(span.trace_id, {"proxy_http_request"})
     proxy = one(spans, "proxy_http_request")
     assert proxy.parent_id == ""  # a root: the trace began at the proxy
     assert proxy in ancestors(spans, span)
@@ -274,3 +274,49 @@ def test_log_lines_carry_the_request_and_its_trace(served: Served) -> None:
     found = wait_until(line, timeout=30, what="the request's access log line")
     assert f"span_id={request.span_id}" in found or request.span_id in found
     assert f"moe_request_id={rid}" in found or json.dumps(rid) in found
+
+
+def test_pages_loaded_from_the_store_are_in_the_trace(served: Served) -> None:
+    """A prompt computed once, then sent to both replicas at once: the replica
+    whose engine lacks it loads its pages, and that request's trace says so."""
+    import concurrent.futures
+
+    prompt = long_text(3)
+
+    def send() -> str:
+        header, trace_id, _ = traceparent()
+        r = httpx.post(
+            f"{served.http_base}/v1/completions",
+            headers={
+                "Authorization": f"Bearer {served.api_key}",
+                "traceparent": header,
+            },
+            json={"model": MODEL, "prompt": prompt, "max_tokens": 16},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        return trace_id
+
+    send()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        traces = list(pool.map(lambda _: send(), range(4)))
+
+    def loads() -> list[Span]:
+        return [
+            s
+            for t in traces
+            for s in receiver(served).spans(t)
+            if s.name == "kvstore.load"
+        ]
+
+    from tests.waiting import wait_until
+
+    [load, *_] = wait_until(loads, timeout=30, what="a kvstore.load span")
+    spans = receiver(served).wait_for(load.trace_id, {"engine.generate"})
+    assert load.parent_id == one(spans, "engine.generate").span_id
+    a = load.attributes
+    assert a["moe_cluster.kv.pages_loaded"] == a["moe_cluster.kv.pages_planned"] >= 1
+    assert a["moe_cluster.kv.bytes_loaded"] > 0
+    assert a["moe_cluster.kv.checksum_failures"] == 0
+    lookup = [s for s in spans if s.name == "kvstore.lookup"][-1]
+    assert lookup.attributes["moe_cluster.kv.pages_found"] >= 1
