@@ -1,12 +1,24 @@
 """A real OTLP/gRPC trace receiver for the tests: what an OpenTelemetry Collector's
-``otlp`` receiver is to the cluster, keeping every span it is sent."""
+``otlp`` receiver is to the cluster, keeping every span it is sent.
+
+It runs in a child process (``python -m tests.otlp_receiver PORT FILE``), which
+appends each span to FILE as a JSON line; ``OTLPReceiver`` starts it and reads the
+file. Decoding the cluster's spans thus takes no time from the test process, whose
+threads time the requests.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -51,8 +63,9 @@ class Span:
 
 
 class _Servicer(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self, receiver: OTLPReceiver) -> None:
-        self._receiver = receiver
+    def __init__(self, out: Any) -> None:
+        self._out = out
+        self._lock = threading.Lock()
 
     def Export(self, request: Any, context: Any) -> Any:
         spans = []
@@ -80,8 +93,24 @@ class _Servicer(trace_service_pb2_grpc.TraceServiceServicer):
                             resource=resource,
                         )
                     )
-        self._receiver.add(spans)
+        lines = "".join(json.dumps(dataclasses.asdict(s)) + "\n" for s in spans)
+        with self._lock:
+            self._out.write(lines)
+            self._out.flush()
         return trace_service_pb2.ExportTraceServiceResponse()
+
+
+def serve(port: int, path: str) -> None:
+    """The child process: receives until killed."""
+    with open(path, "a") as out:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(
+            _Servicer(out), server
+        )
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        server.start()
+        print("ready", flush=True)
+        server.wait_for_termination()
 
 
 class OTLPReceiver:
@@ -89,29 +118,50 @@ class OTLPReceiver:
         self.port = port
         self._spans: list[Span] = []
         self._lock = threading.Lock()
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(
-            _Servicer(self), self._server
-        )
-        self._server.add_insecure_port(f"127.0.0.1:{port}")
+        self._dir = tempfile.TemporaryDirectory(prefix="otlp-")
+        self._path = Path(self._dir.name) / "spans.jsonl"
+        self._path.touch()
+        self._read = 0  # bytes of the file parsed so far
+        self._proc: subprocess.Popen[str] | None = None
 
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> OTLPReceiver:
-        self._server.start()
+        self._proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.otlp_receiver",
+                str(self.port),
+                str(self._path),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self._proc.stdout is not None
+        if self._proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("the OTLP receiver did not start")
         return self
 
     def stop(self) -> None:
-        self._server.stop(grace=1)
-
-    def add(self, spans: list[Span]) -> None:
-        with self._lock:
-            self._spans += spans
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait(10)
+        self._dir.cleanup()
 
     def spans(self, trace_id: str | None = None) -> list[Span]:
         with self._lock:
+            with self._path.open("rb") as f:
+                f.seek(self._read)
+                data = f.read()
+            end = data.rfind(b"\n") + 1  # whole lines only
+            self._read += end
+            for line in data[:end].splitlines():
+                d = json.loads(line)
+                d["events"] = [tuple(e) for e in d["events"]]
+                self._spans.append(Span(**d))
             return [s for s in self._spans if trace_id in (None, s.trace_id)]
 
     def wait_for(
@@ -150,3 +200,7 @@ def tree(spans: list[Span]) -> str:
 
     walk("", 0)
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]), sys.argv[2])
