@@ -1,0 +1,47 @@
+"""The worker side's load span: what a traced request's page loads record."""
+
+from __future__ import annotations
+
+from cluster import tracing
+from kvstore.connector_scheduler import Loads, PageLoad
+from kvstore.connector_worker import _load_span, _loaded
+from tests.spans import named, recorder
+
+
+def loads(n: int, trace: dict[str, str]) -> Loads:
+    return Loads(
+        "arena", [PageLoad(i, 7, bytes([i]) * 32, 10 + i) for i in range(n)], trace
+    )
+
+
+def test_a_load_records_pages_bytes_and_a_checksum_failure() -> None:
+    spans = recorder()
+    with tracing.tracer().start_as_current_span("engine.generate") as parent:
+        trace = tracing.carrier()
+    request = loads(3, trace)
+    with _load_span("r1", request) as span:
+        _loaded(span, request, (2, 2 * 4096))  # the third page failed its checksum
+    [load] = named(spans, "kvstore.load")
+    assert load.parent is not None
+    assert load.parent.span_id == parent.get_span_context().span_id
+    assert load.attributes == {
+        "moe_cluster.kv.pages_planned": 3,
+        "moe_cluster.kv.pages_loaded": 2,
+        "moe_cluster.kv.bytes_loaded": 8192,
+        "moe_cluster.kv.checksum_failures": 1,
+    }
+    [event] = load.events
+    assert event.name == "checksum.failed"
+    assert event.attributes == {"moe_cluster.kv.pages_recomputed": 1}
+
+
+def test_a_clean_load_has_no_failure() -> None:
+    spans = recorder()
+    with tracing.tracer().start_as_current_span("engine.generate"):
+        trace = tracing.carrier()
+    request = loads(2, trace)
+    with _load_span("r1", request) as span:
+        _loaded(span, request, (2, 8192))
+    [load] = named(spans, "kvstore.load")
+    assert (load.attributes or {})["moe_cluster.kv.checksum_failures"] == 0
+    assert not load.events
