@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -177,6 +178,17 @@ class OTLPReceiver:
             if time.monotonic() > give_up:
                 return got
             time.sleep(0.25)
+
+
+def untraced_env() -> dict[str, str]:
+    """This process's environment without the trace export the session turned
+    on: for child clusters whose tests are not about traces (they would add their
+    export's CPU to timing-sensitive runs on the session's two cores)."""
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("OTEL_", "RAY_SERVE_TRACING_"))
+    }
 
 
 def tree(spans: list[Span]) -> str:

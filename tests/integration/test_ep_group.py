@@ -18,6 +18,7 @@ from router.stats import GroupStats
 from router.types import Transition
 from tests.ep.two_nodes import MAX_IMBALANCE
 from tests.integration.conftest import Served
+from tests.otlp_receiver import untraced_env
 
 # The child process starts a cluster and a group twice (~4 min here).
 pytestmark = pytest.mark.timeout(900)
@@ -32,6 +33,7 @@ def phases(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
         text=True,
         timeout=840,
         check=False,
+        env=untraced_env(),
     )
     found: dict[str, dict[str, Any]] = (
         pickle.loads(results.read_bytes()) if results.exists() else {}

@@ -12,6 +12,7 @@ import pytest
 
 from tests.integration.conftest import PLATFORM
 from tests.kvstore.two_nodes import PAGE, EnginesRun, Fetched
+from tests.otlp_receiver import untraced_env
 
 
 @pytest.mark.integration
@@ -31,6 +32,7 @@ def test_a_page_held_on_node_1_is_fetched_by_node_2(
         text=True,
         timeout=300,
         check=False,
+        env=untraced_env(),
     )
     assert out.returncode == 0 and results.exists(), out.stderr[-3000:]
     result, engines = pickle.loads(results.read_bytes())
