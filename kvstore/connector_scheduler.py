@@ -136,23 +136,14 @@ class StoreScheduler:
                 span.set_attribute(A.KV_FETCH_WAIT, time.monotonic() - since)
             span.set_attribute(A.KV_PAGES_FOUND, n // self._block_size)
             if (fetch := self._last_fetch.pop(rid, None)) is not None:
-                span.add_event(
-                    "fetch",
-                    {
-                        A.KV_FETCH_NODE: fetch.node,
-                        A.KV_FETCH_PAGES: fetch.pages,
-                        A.KV_FETCH_BYTES: fetch.nbytes,
-                        A.KV_FETCH_SECONDS: fetch.seconds,
-                    },
-                )
-                span.set_attributes(
-                    {
-                        A.KV_FETCH_NODE: fetch.node,
-                        A.KV_FETCH_PAGES: fetch.pages,
-                        A.KV_FETCH_BYTES: fetch.nbytes,
-                        A.KV_FETCH_SECONDS: fetch.seconds,
-                    }
-                )
+                fetched: dict[str, Any] = {
+                    A.KV_FETCH_NODE: fetch.node,
+                    A.KV_FETCH_PAGES: fetch.pages,
+                    A.KV_FETCH_BYTES: fetch.nbytes,
+                    A.KV_FETCH_SECONDS: fetch.seconds,
+                }
+                span.add_event("fetch", fetched)
+                span.set_attributes(fetched)
             return n
 
     def _lookup(

@@ -219,7 +219,7 @@ class Ingress:
                 elif isinstance(event, Finish):
                     yield grpc_api.finished_message(req.request_id, event)
         except Exception as e:
-            tel.failed(e, getattr(e, "error_type", None))
+            tel.failed(e)
             self._grpc_fail(grpc_context, e)
             raise StreamFailed(grpc_context.details()) from None
         finally:
