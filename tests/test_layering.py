@@ -16,6 +16,7 @@ ENGINE_SIDE = {
     "kvstore/connector.py",
     "kvstore/connector_worker.py",
     "kvstore/page_layer.py",
+    "deployments/engine/stat_logger.py",
 }
 
 

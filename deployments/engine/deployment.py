@@ -96,6 +96,7 @@ class EngineServer:
         if config.engine.measures_expert_load:
             await self._engine.measure_expert_load(config.engine.expert_load_window_s)
             self._tasks.append(loop.create_task(self._poll_expert_load(config)))
+        self._tasks.append(loop.create_task(self._refresh_metrics(), name="metrics"))
         listener = kv_events.KVEventListener(listen)
         if store is not None:
             self._tasks.append(loop.create_task(_watch_store(config, store)))
@@ -126,6 +127,14 @@ class EngineServer:
         if config.kvstore.enabled:
             await self._warmup(config)
         logger.info("engine replica %s ready", replica_id)
+
+    async def _refresh_metrics(self) -> None:
+        from deployments.engine.stat_logger import REFRESH_S
+
+        async def step() -> None:
+            self._engine.refresh_metrics()
+
+        await every(REFRESH_S, step, what="metrics refresh", logger=logger)
 
     async def _poll_expert_load(self, config: ClusterConfig) -> None:
         # NOTE: a collective_rpc wakes vLLM's workers, whose message queue then

@@ -108,12 +108,12 @@ class VLLMEngine:
             kv_store_socket,
             parallel,
         )
-        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+        from deployments.engine.stat_logger import EngineStatLogger
 
         # vLLM's metrics under its own names, recorded in this replica's process
         # (ray_vllm_* on Ray's endpoint, with a ReplicaId tag), as Ray Serve LLM
         # records them: its Grafana dashboard joins on them.
-        engine = AsyncLLM.from_engine_args(args, stat_loggers=[RayPrometheusStatLogger])
+        engine = AsyncLLM.from_engine_args(args, stat_loggers=[EngineStatLogger])
         try:
             check_started(config.engine, engine.vllm_config)
         except RuntimeError:
@@ -309,6 +309,14 @@ class VLLMEngine:
             return
         [counts, *_] = await self._engine.collective_rpc("moe_expert_load_take")
         self.expert_load.add(time.monotonic(), counts)
+
+    def refresh_metrics(self) -> None:
+        """Keeps vLLM's scheduler gauges on Ray's endpoint while the engine idles
+        (``stat_logger``)."""
+        from deployments.engine import stat_logger
+
+        if (logger := stat_logger.of(self._engine)) is not None:
+            logger.refresh(idle=self._engine.get_num_unfinished_requests() == 0)
 
     def has_work(self) -> bool:
         """Whether a request has run since the last call (or still runs)."""

@@ -5,6 +5,7 @@ them, so its Grafana dashboard works), and the cluster's own."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,17 +40,11 @@ ENGINE_METRICS = [
     "ray_vllm_generation_tokens_total",
     "ray_vllm_request_success_total",
 ]
-# Recorded from vLLM's scheduler stats, which no engine on the reference CPU_MLA
-# backend (MLA without prefix caching) reports here: absent from Ray's endpoint on
-# a machine whose engines run CPU_MLA (every CPU without AMX). The expert
-# imbalance is measured there, but its window holds too few tokens to rank.
+# vLLM's own prefix cache is off on the reference CPU_MLA backend: its counters
+# are never incremented there, and Ray exports a counter only once it has been.
 NOT_ON_CPU_MLA = {
-    "ray_vllm_num_requests_running",
-    "ray_vllm_num_requests_waiting",
-    "ray_vllm_kv_cache_usage_perc",
     "ray_vllm_prefix_cache_queries_total",
     "ray_vllm_prefix_cache_hits_total",
-    "ray_moe_cluster_expert_imbalance",
 }
 ON_CPU_MLA = PLATFORM.backend.value == "CPU_MLA"
 
@@ -83,7 +78,9 @@ def some_traffic(served: Served, engine_handle: Any) -> None:
     """Requests of every class over both protocols, and a prompt computed on one
     replica and then loaded from the page store by the other."""
     a, b = sorted(engine_stats(engine_handle))
-    prompt = unique_prompt(3 * PLATFORM.block_size + 1)
+    # Over the router's expert_min_window_tokens (256) on any block size, so the
+    # replica that computes it has a layer imbalance to report.
+    prompt = unique_prompt(max(3 * PLATFORM.block_size + 1, 300))
     generate(engine_handle, a, prompt)
     generate(engine_handle, b, prompt)
     client = served.client()
@@ -148,3 +145,37 @@ def test_the_clusters_own_metrics_are_exported(
     genai = metric_lines(served, "ray_gen_ai_server_time_to_first_token_seconds_count")
     assert any('gen_ai_operation_name="chat"' in line for line in genai)
     assert any('gen_ai_operation_name="text_completion"' in line for line in genai)
+
+
+def _samples(served: Served, name: str) -> dict[str, float]:
+    """Each replica's value of the gauge ``name``."""
+    return {
+        line.split('ReplicaId="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+        for line in metric_lines(served, name)
+    }
+
+
+def test_idle_engines_keep_their_scheduler_gauges(
+    served: Served, engine_handle: Any
+) -> None:
+    """vLLM sets its scheduler gauges only on an engine step; Ray drops a gauge
+    not set for two export intervals (after the worker's last export of it). An
+    idle engine still reads 0 past that."""
+    import ray
+
+    some_traffic(served, engine_handle)
+    wait_until(
+        lambda: all(s.running == 0 for s in engine_stats(engine_handle).values()),
+        60,
+        "idle engines",
+    )
+    lifetime_s = 2 * max(ray._config.metrics_report_interval_ms(), 1000) / 1000
+    time.sleep(2 * lifetime_s + 5)
+    for name in (
+        "ray_vllm_num_requests_running",
+        "ray_vllm_num_requests_waiting",
+        "ray_vllm_kv_cache_usage_perc",
+    ):
+        values = _samples(served, name)
+        assert len(values) >= 2, (name, values)  # every replica, still there
+        assert set(values.values()) == {0.0}, (name, values)

@@ -43,9 +43,10 @@ async def start(cfg: ClusterConfig, llm: FakeAsyncLLM, **kw: Any) -> EngineServe
 async def test_without_router_or_store_the_engine_starts_alone() -> None:
     llm = FakeAsyncLLM()
     server = await start(config(), llm)
-    # No KV event endpoint, no page store socket, no EP group.
+    # No KV event endpoint, no page store socket, no EP group: nothing runs
+    # beside the engine but the refresh of its metrics.
     assert ScriptedEngine.started == [("replica-a", None, None, None)]
-    assert server._tasks == []
+    assert [t.get_name() for t in server._tasks] == ["metrics"]
     stats = await server.stats()
     assert (stats.replica_id, stats.node_id, stats.group) == ("replica-a", "node-1", "")
     server.__del__()
