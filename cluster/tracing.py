@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -346,3 +347,36 @@ def install_log_context() -> None:
 
     logging.setLogRecordFactory(factory)
     _log_context_installed = True
+
+
+class ContextFormatter(logging.Formatter):
+    """``LEVEL logger: message`` and the record's request and trace ids as
+    ``key=value`` (the text shape Ray writes), for processes that Ray's logging
+    does not configure."""
+
+    def __init__(self) -> None:
+        super().__init__("%(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        ids = [f"{k}={v}" for k in LOG_KEYS if (v := getattr(record, k, None))]
+        return " ".join([line, *ids])
+
+
+def install_process_logging() -> None:
+    """For vLLM's engine-core and worker processes, which the page store's
+    connector runs in: the ``moe_cluster`` loggers' records carry the request's
+    ids (``install_log_context``) and go to stderr (the replica's log) with them.
+    Idempotent; in a Ray worker (Ray's logging handles it) only the context."""
+    install_log_context()
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return
+    root = logging.getLogger("moe_cluster")
+    if any(isinstance(h.formatter, ContextFormatter) for h in root.handlers):
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(ContextFormatter())
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    root.propagate = False

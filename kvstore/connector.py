@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from cluster import tracing
 from kvstore.connector_scheduler import Loads, PageSave, StoreScheduler
 from kvstore.connector_worker import StoreWorker
 from kvstore.rpc import StoreClient
@@ -80,6 +81,8 @@ class PageStoreConnector(KVConnectorBase_V1):
                 "the page store connector serves engines with tensor_parallel_size 1 "
                 "(data-parallel ranks each have their own)"
             )
+        # vLLM's engine-core or worker process: Ray's logging is not set up here.
+        tracing.install_process_logging()
         extra = self._kv_transfer_config.kv_connector_extra_config
         self._client = StoreClient(str(extra["socket"]))
         block_size = vllm_config.cache_config.block_size

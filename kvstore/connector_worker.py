@@ -37,6 +37,18 @@ def _load_span(rid: str, request: Loads) -> Any:
     )
 
 
+def _log_unloaded(request: Loads, loaded: tuple[int, int]) -> None:
+    """A warning, in the request's log context, when some of its pages did not
+    load (a checksum failure, or the store restarted): vLLM recomputes them."""
+    if (missed := len(request.pages) - loaded[0]) > 0:
+        logger.warning(
+            "%d of %d stored pages not loaded (checksum failure or store restart): "
+            "recomputed",
+            missed,
+            len(request.pages),
+        )
+
+
 def _loaded(span: Any, request: Loads, loaded: tuple[int, int]) -> None:
     A = tracing.Attr
     pages, nbytes = loaded
@@ -157,17 +169,21 @@ class StoreWorker:
             return
         bad: list[bytes] = []
         for rid, request in loads.items():
-            if request.trace:
-                with _load_span(rid, request) as span:
-                    loaded = self._load(request, bad)
-                    _loaded(span, request, loaded)
-            else:
-                self._load(request, bad)
+            token = tracing.REQUEST_ID.set(rid)  # its log lines carry its ids
+            try:
+                if request.trace:
+                    with _load_span(rid, request) as span:
+                        loaded = self._load(request, bad)
+                        _loaded(span, request, loaded)
+                        _log_unloaded(request, loaded)
+                else:
+                    _log_unloaded(request, self._load(request, bad))
+            finally:
+                tracing.REQUEST_ID.reset(token)
         if self._stream is not None:
             torch.cuda.current_stream().synchronize()  # loaded before the forward
         try:
             if bad:
-                logger.warning("page store: %d corrupt pages dropped", len(bad))
                 self._client.drop(bad)
             self._client.release(*loads)
         except StoreError as e:

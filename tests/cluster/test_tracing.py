@@ -4,6 +4,8 @@ section; W3C carriers; log records that carry the trace."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import pytest
 from opentelemetry import trace
@@ -127,3 +129,34 @@ def test_log_records_carry_request_trace_and_span_ids(
     )
     assert not hasattr(outside, "trace_id") and not hasattr(outside, "moe_request_id")
     assert trace.get_current_span().get_span_context().is_valid is False
+
+
+def test_engine_processes_log_lines_with_request_and_trace_ids() -> None:
+    """vLLM's engine-core and worker processes (where the page store's connector
+    runs) are outside Ray's logging: their moe_cluster lines go to stderr with
+    the request's ids appended."""
+    script = """
+import logging
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry import trace
+from cluster import tracing
+trace.set_tracer_provider(TracerProvider())
+tracing.install_process_logging()
+tracing.install_process_logging()  # idempotent: one handler
+log = logging.getLogger("moe_cluster.kvstore")
+tracing.REQUEST_ID.set("req-7")
+with trace.get_tracer("t").start_as_current_span("kvstore.load"):
+    trace_id, span_id = tracing.ids()
+    log.warning("2 of 3 stored pages not loaded")
+print(trace_id, span_id)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    trace_id, span_id = done.stdout.split()
+    [line] = [x for x in done.stderr.splitlines() if "stored pages" in x]
+    assert line == (
+        "WARNING moe_cluster.kvstore: 2 of 3 stored pages not loaded "
+        f"moe_request_id=req-7 trace_id={trace_id} span_id={span_id}"
+    )

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
+import pytest
+
 from cluster import tracing
 from kvstore.connector_scheduler import Loads, PageLoad
-from kvstore.connector_worker import _load_span, _loaded
+from kvstore.connector_worker import _load_span, _loaded, _log_unloaded
 from tests.spans import named, recorder
 
 
@@ -45,3 +49,25 @@ def test_a_clean_load_has_no_failure() -> None:
     [load] = named(spans, "kvstore.load")
     assert (load.attributes or {})["moe_cluster.kv.checksum_failures"] == 0
     assert not load.events
+
+
+def test_pages_that_did_not_load_are_logged_with_the_request(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    recorder()
+    tracing.install_log_context()
+    request = loads(3, {})
+    token = tracing.REQUEST_ID.set("r9")
+    try:
+        with caplog.at_level(logging.WARNING, logger="moe_cluster.kvstore"):
+            _log_unloaded(request, (3, 3 * 4096))  # all loaded: nothing said
+            with tracing.tracer().start_as_current_span("kvstore.load"):
+                trace_id, _ = tracing.ids()
+                _log_unloaded(request, (1, 4096))
+    finally:
+        tracing.REQUEST_ID.reset(token)
+    [record] = caplog.records
+    assert record.getMessage() == (
+        "2 of 3 stored pages not loaded (checksum failure or store restart): recomputed"
+    )
+    assert (record.moe_request_id, record.trace_id) == ("r9", trace_id)  # type: ignore[attr-defined]
