@@ -65,6 +65,19 @@ class Finish:
     expert_hist: tuple[int, ...] = ()  # the router's predicted expert hits
 
 
+class RequestRejected(Exception):
+    """The engine refused the request for what it asks (vLLM's validation of its
+    parameters), before running it: the client's error, not the replica's.
+    ``parameter``: vLLM's name of the refused parameter, where it says."""
+
+    def __init__(self, message: str, parameter: str | None = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+
+    def __reduce__(self) -> tuple[type[RequestRejected], tuple[str, str | None]]:
+        return (RequestRejected, (str(self), self.parameter))
+
+
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     replica_id: str

@@ -59,6 +59,7 @@ class Outcome(Enum):
     FAILED = "failed"  # the replica failed the request
     TIMEOUT = "timeout"  # no first token in time after dispatch
     CANCELLED = "cancelled"  # the client went away: not the replica's fault
+    REJECTED = "rejected"  # the engine refused the request itself: not its fault
 
 
 @dataclass(frozen=True, slots=True)

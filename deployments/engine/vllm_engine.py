@@ -36,6 +36,7 @@ from deployments.protocol import (
     EngineRequest,
     EngineStats,
     Finish,
+    RequestRejected,
     Started,
 )
 from router.types import ExpertLoad, RequestProgress
@@ -167,6 +168,7 @@ class VLLMEngine:
     async def _generate(
         self, request: EngineRequest, span: Any
     ) -> AsyncGenerator[EngineEvent, None]:
+        from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
 
         rid = request.request_id
@@ -216,6 +218,11 @@ class VLLMEngine:
                         cached_tokens=out.num_cached_tokens or 0,
                         replica_id=self.replica_id,
                     )
+        except VLLMClientError as e:
+            # vLLM refused the request for what it asks (its parameters), in
+            # SamplingParams or when it validates it at the first step: the
+            # client's error, which must not count against this replica.
+            raise _rejected(e) from None
         finally:
             self._running.pop(rid, None)
             if not finished:
@@ -362,6 +369,10 @@ class VLLMEngine:
 
     def shutdown(self) -> None:
         self._engine.shutdown()
+
+
+def _rejected(e: Exception) -> RequestRejected:
+    return RequestRejected(str(e), getattr(e, "parameter", None))
 
 
 def _finished_span(span: Any, out: Any, reason: str | None, completion: int) -> None:

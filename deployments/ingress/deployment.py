@@ -19,11 +19,12 @@ from grpc_health.v1 import health_pb2
 from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import tracing
 from cluster.config import ClusterConfig
 from deployments.ingress import grpc_api, kv_warm, openai_api, validation
-from deployments.ingress.errors import CLIENT_ERRORS, ServiceError, status_of
+from deployments.ingress.errors import CLIENT_ERRORS, ServiceError, Status, status_of
 from deployments.ingress.frontend import Frontend, ModelFacts
 from deployments.ingress.grpc_api import MalformedRequest
 from deployments.ingress.kv_warm import WarmRequest
@@ -37,6 +38,20 @@ from router.tickets import TicketMaker
 
 logger = logging.getLogger("moe_cluster.ingress")
 app = FastAPI(title="moe-cluster", docs_url=None, redoc_url=None)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _routing_error(_request: Request, exc: StarletteHTTPException) -> Response:
+    """FastAPI's own answers (an unknown path, a method a path does not take) in
+    OpenAI's error shape, like every other error of this server."""
+    status = Status(grpc.StatusCode.NOT_FOUND, exc.status_code, "invalid_request_error")
+    message = {404: "no such endpoint", 405: "method not allowed on this endpoint"}
+    body = openai_api.error_body(
+        status, message.get(exc.status_code, str(exc.detail)), None
+    )
+    return JSONResponse(body, exc.status_code, headers=getattr(exc, "headers", None))
+
+
 HEALTH_PROBE_TIMEOUT_S = 5.0
 
 

@@ -32,7 +32,14 @@ from deployments.ingress.errors import (
 )
 from deployments.ingress.telemetry import RequestTelemetry
 from deployments.ingress.validation import InvalidRequest, Limits
-from deployments.protocol import EngineEvent, EngineRequest, Finish, Started, TokenDelta
+from deployments.protocol import (
+    EngineEvent,
+    EngineRequest,
+    Finish,
+    RequestRejected,
+    Started,
+    TokenDelta,
+)
 from router.tickets import TicketMaker
 from router.types import Outcome, Release, ReplicaId, RouteDecision, Shed, Ticket
 
@@ -256,6 +263,10 @@ class Frontend:
         try:
             events, head = await self._open(request, deadline_s, tel)
             async for event in _chain(head, events):
+                if rid in self._aborted:
+                    # abort() cancelled the engine stream; what it still
+                    # delivers (its Finish among it) is not the client's.
+                    break
                 if isinstance(event, Started):
                     replica = event.replica_id
                 elif isinstance(event, TokenDelta):
@@ -268,6 +279,12 @@ class Frontend:
                             event, expert_hist=placed.expert_hist
                         )
                 yield event
+            if rid in self._aborted and not done:
+                done = True
+                yield Finish(
+                    "abort", len(request.prompt_token_ids), completion, 0, replica
+                )
+                return
             if not done:
                 raise EngineUnavailable("engine stream ended without finishing")
             outcome = Outcome.OK
@@ -290,6 +307,9 @@ class Frontend:
             ) from None
         except CLIENT_ERRORS:  # the router's Shed among them, as it was raised
             raise
+        except RequestRejected as e:  # the engine refused what the request asks
+            outcome = Outcome.REJECTED
+            raise InvalidRequest(e.parameter or "request", str(e)) from None
         except Exception as e:
             outcome = Outcome.FAILED
             logger.warning("request %s failed on replica %r: %r", rid, replica, e)
@@ -386,7 +406,12 @@ class Frontend:
                 return events, head
             except StopAsyncIteration:
                 return events, head
-            except (RequestCancelledError, BackPressureError, TimeoutError):
+            except (
+                RequestCancelledError,
+                BackPressureError,
+                TimeoutError,
+                RequestRejected,  # the same request would be refused again
+            ):
                 raise
             except Exception as e:
                 _cancel(stream)

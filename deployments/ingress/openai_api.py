@@ -25,6 +25,29 @@ if TYPE_CHECKING:
     from deployments.ingress.frontend import Frontend
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Deeper bodies are refused before anything walks them recursively (json.loads
+# itself gives up near 1,000 levels; pydantic, logging and the span code below
+# it would at less). OpenAI requests nest a handful of levels; a JSON schema,
+# tens.
+MAX_JSON_DEPTH = 128
+
+
+def _depth_within(data: Any, limit: int) -> bool:
+    """Whether ``data`` nests at most ``limit`` arrays and objects deep (walked
+    without recursion)."""
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            children: Any = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        if depth > limit:
+            return False
+        stack.extend((child, depth + 1) for child in children)
+    return True
 
 
 class _Request(BaseModel):
@@ -47,6 +70,13 @@ class _Request(BaseModel):
     logprobs: Any = None
     top_logprobs: Any = None
     tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: Any = None
     user: str | None = None
     qos: Literal["realtime", "normal", "background"] = "normal"
     deadline_ms: int = Field(0, ge=0)
@@ -62,6 +92,21 @@ class _Request(BaseModel):
             return "top_logprobs"
         if self.tools:
             return "tools"
+        if self.tool_choice not in (None, "none"):
+            return "tool_choice"
+        if self.functions or self.function_call not in (None, "none"):
+            return "functions" if self.functions else "function_call"
+        fmt = self.response_format
+        if fmt is not None and not (
+            isinstance(fmt, dict) and fmt.get("type") == "text"
+        ):
+            return "response_format"  # constrained output is not served: say so
+        if self.presence_penalty not in (None, 0):
+            return "presence_penalty"
+        if self.frequency_penalty not in (None, 0):
+            return "frequency_penalty"
+        if self.logit_bias:
+            return "logit_bias"
         return None
 
     def stop_list(self) -> list[str]:
@@ -108,10 +153,18 @@ def parse(model: type[BaseModel], body: bytes) -> Any:
         raise validation.InvalidRequest("body", "is not valid UTF-8") from None
     except json.JSONDecodeError as e:
         raise validation.InvalidRequest("body", f"is not valid JSON: {e}") from None
+    except RecursionError:  # ~1,000 levels of arrays or objects, anywhere
+        raise validation.InvalidRequest("body", "is nested too deeply") from None
     if not isinstance(data, dict):
         raise validation.InvalidRequest("body", "must be a JSON object")
+    if not _depth_within(data, MAX_JSON_DEPTH):
+        raise validation.InvalidRequest(
+            "body", f"is nested too deeply (more than {MAX_JSON_DEPTH} levels)"
+        )
     try:
         return model.model_validate(data)
+    except RecursionError:
+        raise validation.InvalidRequest("body", "is nested too deeply") from None
     except ValidationError as e:
         err = e.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or "body"

@@ -15,6 +15,10 @@ from dataclasses import dataclass
 
 from deployments.protocol import Sampling
 
+# vLLM's own bounds (vllm/sampling_params.py, SamplingParams._verify_args),
+# checked here so that the engine never refuses what the ingress let through
+# (tests/deployments/engine/test_args.py holds them against vLLM's).
+MAX_TEMPERATURE = 2.0
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_ID_CHARS = 128
@@ -57,6 +61,16 @@ def tenant(value: str, field: str = "tenant") -> str:
     return value
 
 
+def utf8(value: str, field: str) -> str:
+    """``value`` must be encodable as UTF-8 (JSON's "\\ud800" escapes decode to
+    lone surrogates, which are not)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(field, "is not valid UTF-8 (a lone surrogate)") from None
+    return value
+
+
 def prompt_text(value: str, limits: Limits, field: str) -> str:
     if not value:
         raise InvalidRequest(field, "must not be empty")
@@ -65,11 +79,7 @@ def prompt_text(value: str, limits: Limits, field: str) -> str:
         raise InvalidRequest(
             field, f"is {size} bytes; the limit is {limits.max_prompt_bytes}"
         )
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidRequest(field, "is not valid UTF-8") from None
-    return value
+    return utf8(value, field)
 
 
 def token_ids(ids: Sequence[int], limits: Limits, field: str) -> tuple[int, ...]:
@@ -121,9 +131,10 @@ def sampling(
         )
     if temperature is None:
         temperature = 1.0
-    elif not math.isfinite(temperature) or temperature < 0:
+    elif not math.isfinite(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
         raise InvalidRequest(
-            f"{prefix}temperature", f"must be a finite number >= 0, got {temperature}"
+            f"{prefix}temperature",
+            f"must be in [0, {MAX_TEMPERATURE:g}], got {temperature}",
         )
     if top_p is None:
         top_p = 1.0
@@ -144,6 +155,7 @@ def sampling(
             raise InvalidRequest(
                 f"{prefix}stop[{i}]", f"must be 1-{MAX_STOP_CHARS} characters"
             )
+        utf8(s, f"{prefix}stop[{i}]")
     for i, t in enumerate(stop_token_ids):
         if not 0 <= t < limits.vocab_size:
             raise InvalidRequest(

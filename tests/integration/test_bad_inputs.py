@@ -83,6 +83,12 @@ GRPC_CASES = [
         INVALID,
         "sampling.temperature",
     ),
+    (
+        "temperature above vLLM's 2",
+        gen(sampling=sp(temperature=2.5)),
+        INVALID,
+        "sampling.temperature: must be in [0, 2]",
+    ),
     ("top_p zero", gen(sampling=sp(top_p=0.0)), INVALID, "sampling.top_p"),
     ("top_p above one", gen(sampling=sp(top_p=1.5)), INVALID, "sampling.top_p"),
     ("top_k negative", gen(sampling=sp(top_k=-5)), INVALID, "sampling.top_k"),
@@ -220,6 +226,13 @@ HTTP_CASES: list[tuple[str, str, Any, int, str | None]] = [
         400,
         "temperature",
     ),
+    (
+        "temperature above vLLM's 2",
+        "chat/completions",
+        CHAT | {"temperature": 2.5},
+        400,
+        "temperature",
+    ),
     ("top_p zero", "completions", COMPLETION | {"top_p": 0}, 400, "top_p"),
     ("top_p above one", "completions", COMPLETION | {"top_p": 1.01}, 400, "top_p"),
     ("n above one", "completions", COMPLETION | {"n": 2}, 400, "n"),
@@ -247,6 +260,38 @@ HTTP_CASES: list[tuple[str, str, Any, int, str | None]] = [
         "messages.0.role",
     ),
     ("lone surrogate", "chat/completions", None, 400, "messages[0].content"),
+    (
+        "lone surrogate in stop",
+        "completions",
+        json.dumps(COMPLETION)[:-1].encode() + b', "stop": ["a\\udc00"]}',
+        400,
+        "stop[0]",
+    ),
+    (
+        "nested too deeply",
+        "completions",
+        b"[" * 1000 + b"]" * 1000,
+        400,
+        "body",
+    ),
+    (
+        "nested too deeply in a field",
+        "completions",
+        json.dumps(COMPLETION)[:-1].encode()
+        + b', "tenant": '
+        + b"[" * 990
+        + b"]" * 990
+        + b"}",
+        400,
+        "body",
+    ),
+    (
+        "response_format (not served)",
+        "chat/completions",
+        CHAT | {"response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+    ),
     (
         "invalid UTF-8 body",
         "completions",
@@ -310,6 +355,39 @@ def test_http_wrong_api_key(served: Served, key: str | None) -> None:
     assert r.json()["error"]["type"] == "authentication_error"
     r = httpx.get(f"{served.http_base}/v1/models", headers=headers, timeout=30)
     assert r.status_code == 401
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [("GET", "/v1/nope", 404), ("GET", "/v1/completions", 405)],
+)
+def test_http_routing_errors_have_the_openai_shape(
+    served: Served, method: str, path: str, status: int
+) -> None:
+    r = httpx.request(method, f"{served.http_base}{path}", timeout=30)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == status
+    assert err["message"]
+
+
+def test_requests_the_engine_would_refuse_never_open_a_breaker(
+    served: Served,
+) -> None:
+    """More requests vLLM would refuse than the breaker's failure threshold: all
+    are 400s, and every replica's breaker stays closed."""
+    from tests.integration.test_router import router_snapshot
+
+    for _ in range(8):
+        r = httpx.post(
+            f"{served.http_base}/v1/completions",
+            json=COMPLETION | {"temperature": 3.0},
+            headers={"Authorization": f"Bearer {served.api_key}"},
+            timeout=30,
+        )
+        assert r.status_code == 400, r.text
+    snapshot = router_snapshot(served)
+    assert {r.breaker for r in snapshot.replicas.values()} == {"closed"}
 
 
 def test_still_serving_after_bad_inputs(served: Served) -> None:

@@ -1,12 +1,18 @@
-"""The engine's own check of the backend its config resolved to."""
+"""The engine's own check of the backend its config resolved to, and the
+sampling bounds the ingress shares with vLLM."""
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import pytest
 
 from cluster.config import EngineConfig
 from cluster.platform import Backend
-from deployments.engine.args import check_platform
+from deployments.engine.args import check_platform, sampling_params
+from deployments.ingress import validation
+from deployments.protocol import Sampling
 
 
 def test_an_amx_config_on_a_node_without_amx_fails_naming_what_to_set(
@@ -20,3 +26,40 @@ def test_an_amx_config_on_a_node_without_amx_fails_naming_what_to_set(
     reference = EngineConfig(attention_backend="CPU_MLA", block_size=16)
     assert check_platform(reference) is Backend.CPU_MLA  # runs on every CPU
     assert check_platform(EngineConfig(block_size=64)) is Backend.GPU
+
+
+# What the ingress lets through, vLLM accepts; what vLLM refuses, the ingress
+# refuses first (with the client's field name). Each case: the ingress's
+# arguments to validation.sampling, at and just past the bound.
+BOUNDS = [
+    ({"temperature": validation.MAX_TEMPERATURE}, {"temperature": 2.0001}),
+    ({"temperature": 0.0}, {"temperature": -0.0001}),
+    ({"top_p": 1.0}, {"top_p": 1.0001}),
+    ({"top_p": 1e-6}, {"top_p": 0.0}),
+    ({"top_k": -1}, {"top_k": -2}),
+    ({"max_tokens": 1}, {"max_tokens": 0}),
+    ({"stop": ["x" * validation.MAX_STOP_CHARS]}, {"stop": [""]}),
+]
+
+
+@pytest.mark.parametrize(("inside", "outside"), BOUNDS)
+def test_the_ingress_bounds_are_vllms(
+    inside: dict[str, Any], outside: dict[str, Any]
+) -> None:
+    from vllm.exceptions import VLLMValidationError
+
+    limits = validation.Limits(max_model_len=100, vocab_size=50, max_prompt_bytes=64)
+
+    def ingress(kw: dict[str, Any]) -> Sampling:
+        kw = {"max_tokens": 4} | kw
+        return validation.sampling(prompt_tokens=1, limits=limits, **kw)
+
+    sampling_params(ingress(inside))  # vLLM accepts it
+    with pytest.raises(validation.InvalidRequest):
+        ingress(outside)
+    # Past the ingress's bound is past vLLM's too (the same sampling, unchecked).
+    unchecked = Sampling(**({"max_tokens": 4} | outside))  # type: ignore[arg-type]
+    if "stop" in outside:
+        unchecked = dataclasses.replace(unchecked, stop=tuple(outside["stop"]))
+    with pytest.raises(VLLMValidationError):
+        sampling_params(unchecked)

@@ -1,4 +1,5 @@
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -6,7 +7,14 @@ from cluster.platform import Backend, EnginePlatform
 from cluster.qos import QoS
 from deployments.engine.vllm_engine import VLLMEngine
 from deployments.ep.group import GroupRank
-from deployments.protocol import EngineRequest, Finish, Sampling, Started, TokenDelta
+from deployments.protocol import (
+    EngineRequest,
+    Finish,
+    RequestRejected,
+    Sampling,
+    Started,
+    TokenDelta,
+)
 from tests.deployments.engine.fakes import FakeAsyncLLM, Step
 
 STEPS = [Step([5], "a"), Step([6, 7], "bc"), Step([8], "d", finish="length", cached=16)]
@@ -67,6 +75,32 @@ async def test_an_engine_failure_raises_out_of_the_stream_without_a_finish() -> 
         async for event in engine.generate(request()):
             seen.append(event)
     assert not any(isinstance(e, Finish) for e in seen)
+
+
+async def test_what_vllm_refuses_in_a_request_is_raised_as_the_requests_fault() -> None:
+    from vllm.exceptions import VLLMValidationError
+
+    # Refused by vLLM's SamplingParams (temperature above its 2.0)...
+    engine = VLLMEngine(FakeAsyncLLM(STEPS), "replica-a")  # type: ignore[arg-type]
+    hot = dataclasses.replace(
+        request(), sampling=Sampling(max_tokens=4, temperature=2.5)
+    )
+    with pytest.raises(RequestRejected, match="temperature") as e:
+        await collect(engine, hot)
+    assert e.value.parameter == "temperature"
+    # ... or when vLLM validates it at its first step.
+    refused = VLLMValidationError("prompt too long", parameter="prompt")
+    llm = FakeAsyncLLM(STEPS, fail_after=0, failure=refused)
+    engine = VLLMEngine(llm, "replica-a")  # type: ignore[arg-type]
+    with pytest.raises(RequestRejected, match="prompt too long") as e:
+        await collect(engine, request())
+    assert e.value.parameter == "prompt"
+    assert llm.aborted == ["r1"] and engine.stats().request_ids == ()
+    # An engine failure stays one.
+    llm = FakeAsyncLLM(STEPS, fail_after=0, failure=RuntimeError("engine core died"))
+    engine = VLLMEngine(llm, "replica-a")  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError):
+        await collect(engine, request())
 
 
 async def test_vllm_finish_reasons_map_onto_the_protocol_ones() -> None:

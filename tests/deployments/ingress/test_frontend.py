@@ -102,6 +102,30 @@ async def test_abort_ends_the_stream_with_an_abort_finish() -> None:
     assert fe.abort("r1") is False and fe.in_flight() == []
 
 
+async def test_an_abort_wins_over_events_already_on_their_way() -> None:
+    """An engine stream that still delivers what it had (its Finish among it)
+    after the cancel: the client's stream ends as aborted all the same."""
+
+    class Undeterred(ScriptedStream):
+        def cancel(self) -> None:
+            pass  # the cancel takes effect later; these events are in flight
+
+    stream = Undeterred([*TOKENS, DONE])
+    fe = Frontend(
+        tokenizer=None,
+        facts=FACTS,
+        limits=Limits(64, 100, 1000),
+        api_keys=(),
+        open_stream=lambda _req: stream,
+    )
+    events = fe.stream(REQ)
+    assert [await anext(events) for _ in range(2)] == TOKENS[:2]
+    assert fe.abort("r1") is True
+    rest = [e async for e in events]
+    assert rest == [Finish("abort", 3, 1, 0, "rep-a")]
+    assert fe.in_flight() == []
+
+
 async def test_a_missed_first_token_deadline_cancels_the_engine_request() -> None:
     fe, stream = make([Started("rep-a"), "hang"])
     with pytest.raises(DeadlineMissed, match="deadline_ms=50"):

@@ -10,10 +10,22 @@ import pytest
 
 from cluster.config import RouterConfig
 from cluster.qos import QoS
-from deployments.ingress.errors import OVERLOADED, EngineUnavailable, status_of
+from deployments.ingress.errors import (
+    INVALID,
+    OVERLOADED,
+    EngineUnavailable,
+    status_of,
+)
 from deployments.ingress.frontend import Frontend
-from deployments.ingress.validation import Limits
-from deployments.protocol import EngineRequest, Finish, Sampling, Started, TokenDelta
+from deployments.ingress.validation import InvalidRequest, Limits
+from deployments.protocol import (
+    EngineRequest,
+    Finish,
+    RequestRejected,
+    Sampling,
+    Started,
+    TokenDelta,
+)
 from router.core import RouterCore
 from router.experts import ExpertPredictor
 from router.service import RouterService
@@ -139,6 +151,22 @@ async def test_failures_before_output_are_readmitted_and_open_the_breaker() -> N
     assert isinstance(events[-1], Finish) and events[-1].replica_id == "b"
     assert [r.replica_id for r in opened] == ["a", "a", "b"]
     assert service.snapshot().replicas["a"].breaker == "open"
+
+
+async def test_what_the_engine_refuses_is_the_clients_error_not_the_replicas() -> None:
+    refused = RequestRejected("temperature must be in [0, 2], got 3.0", "temperature")
+    fe, service, opened = setup(*([Started("a"), refused] for _ in range(6)))
+    for rid in range(6):  # more than enough failures to open a breaker
+        with pytest.raises(
+            InvalidRequest, match=r"temperature must be in \[0, 2\]"
+        ) as e:
+            await drain(fe, req(str(rid)))
+        assert e.value.field == "temperature"
+        assert status_of(e.value) == INVALID  # INVALID_ARGUMENT / 400
+    assert len(opened) == 6  # never retried: it would be refused again
+    snap = service.snapshot()
+    assert {r.breaker for r in snap.replicas.values()} == {"closed"}
+    assert running(service) == 0
 
 
 async def test_failure_mid_stream_is_reported_against_the_replica() -> None:

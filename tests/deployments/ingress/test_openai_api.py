@@ -34,6 +34,12 @@ def test_parse_and_extensions() -> None:
         (json.dumps({"prompt": "p"}).encode(), "model"),
         (body(max_tokens="x"), "max_tokens"),
         (body(deadline_ms=-1), "deadline_ms"),
+        # Nested past Python's recursion limit: at the top, or inside a field.
+        (b"[" * 5000 + b"]" * 5000, "body"),
+        (body()[:-1] + b', "tenant": ' + b"[" * 5000 + b"]" * 5000 + b"}", "body"),
+        (body()[:-1] + b', "stop": ' + b'{"a":' * 3000 + b"1" + b"}" * 3001, "body"),
+        # ... and past the server's own limit, well within Python's.
+        (body()[:-1] + b', "tools": ' + b"[" * 200 + b"]" * 200 + b"}", "body"),
     ],
 )
 def test_parse_errors_name_the_field(raw: bytes, field: str) -> None:
@@ -50,10 +56,37 @@ def test_parse_errors_name_the_field(raw: bytes, field: str) -> None:
         ({"logprobs": 2}, "logprobs"),
         ({"best_of": 2}, "best_of"),
         ({"tools": [{}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": "json"}, "response_format"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": -1}, "frequency_penalty"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"functions": [{}]}, "functions"),
     ],
 )
 def test_unsupported_fields_are_named(kw: dict[str, object], field: str) -> None:
     assert openai_api.parse(CompletionRequest, body(**kw)).unsupported() == field
+
+
+def test_bodies_nest_up_to_the_limit() -> None:
+    deep = b"[" * (openai_api.MAX_JSON_DEPTH - 1) + b"]" * (
+        openai_api.MAX_JSON_DEPTH - 1
+    )
+    parsed = openai_api.parse(CompletionRequest, body()[:-1] + b', "x": ' + deep + b"}")
+    assert parsed.unsupported() is None  # an unknown field, ignored
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"response_format": {"type": "text"}},
+        {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}},
+        {"tool_choice": "none"},
+    ],
+)
+def test_defaults_of_unserved_fields_pass(kw: dict[str, object]) -> None:
+    assert openai_api.parse(CompletionRequest, body(**kw)).unsupported() is None
 
 
 def test_shapes() -> None:

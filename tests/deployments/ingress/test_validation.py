@@ -28,6 +28,7 @@ def test_defaults_fill_the_context() -> None:
         ({"max_tokens": 91}, "s.max_tokens"),
         ({"temperature": -0.1}, "s.temperature"),
         ({"temperature": float("inf")}, "s.temperature"),
+        ({"temperature": 2.0001}, "s.temperature"),  # vLLM's bound
         ({"top_p": 0.0}, "s.top_p"),
         ({"top_p": 1.0001}, "s.top_p"),
         ({"top_p": float("nan")}, "s.top_p"),
@@ -35,6 +36,7 @@ def test_defaults_fill_the_context() -> None:
         ({"seed": 2**63}, "s.seed"),
         ({"stop": ["a"] * 17}, "s.stop"),
         ({"stop": ["ok", ""]}, "s.stop[1]"),
+        ({"stop": ["ok", "a\ud800"]}, "s.stop[1]"),  # a lone surrogate
         ({"stop_token_ids": [3, 50]}, "s.stop_token_ids[1]"),
     ],
 )
@@ -48,6 +50,7 @@ def test_bad_sampling_names_the_field(kw: dict[str, Any], field: str) -> None:
 def test_boundaries_are_accepted() -> None:
     s = sampling(max_tokens=90, temperature=0.0, top_p=1.0, top_k=0, seed=-(2**63))
     assert (s.max_tokens, s.temperature, s.top_p) == (90, 0.0, 1.0)
+    assert sampling(temperature=2.0).temperature == 2.0
 
 
 def test_prompts() -> None:
