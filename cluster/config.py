@@ -253,6 +253,13 @@ class RouterConfig(_Strict):
     breaker_open_s: float = Field(
         5.0, gt=0, description="How long an opened replica breaker waits to probe."
     )
+    migration_limit: int = Field(
+        2,
+        ge=0,
+        description="Times one stream may move to another replica when its engine "
+        "fails mid-stream: it goes on from the tokens already sent, its KV loaded "
+        "from the page store. 0: never (the client gets UNAVAILABLE).",
+    )
     expert_capacity_tokens: float | None = Field(
         None,
         gt=0,

@@ -294,6 +294,7 @@ class Attr:
     EP_RANK = "moe_cluster.ep.rank"
     EP_SIZE = "moe_cluster.ep.size"
     CACHED_TOKENS = "moe_cluster.cached_tokens"
+    MIGRATIONS = "moe_cluster.migrations"
     CACHED_BLOCKS = "moe_cluster.router.cached_blocks"
     POLICY = "moe_cluster.router.policy"
     REASON = "moe_cluster.router.reason"

@@ -63,6 +63,7 @@ class Finish:
     cached_tokens: int
     replica_id: str
     expert_hist: tuple[int, ...] = ()  # the router's predicted expert hits
+    migrations: int = 0  # times the stream moved to another replica
 
 
 class RequestRejected(Exception):

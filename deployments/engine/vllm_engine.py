@@ -225,8 +225,9 @@ class VLLMEngine:
             raise _rejected(e) from None
         finally:
             self._running.pop(rid, None)
-            if not finished:
-                # Consumer cancelled or closed the stream: free the engine slot.
+            if not finished and not getattr(self._engine, "errored", False):
+                # Consumer cancelled or closed the stream: free the engine slot
+                # (a dead engine has none, and its abort would only wait).
                 await self._engine.abort(rid)
 
     async def abort(self, request_id: str) -> None:

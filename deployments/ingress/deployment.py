@@ -165,6 +165,7 @@ class Ingress:
             api_keys=[k.get_secret_value() for k in config.server.api_keys],
             open_stream=self._open_stream,
             admission=_router_client(config),
+            migration_limit=config.router.migration_limit,
         )
 
     def _open_stream(self, request: EngineRequest) -> Any:

@@ -22,6 +22,7 @@ from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from cluster import tracing
 from cluster.checkpoint import Checkpoint
 from cluster.tracing import Attr
+from deployments.ingress import resume
 from deployments.ingress.errors import (
     CLIENT_ERRORS,
     AlreadyInFlight,
@@ -30,12 +31,14 @@ from deployments.ingress.errors import (
     Overloaded,
     Unauthenticated,
 )
+from deployments.ingress.resume import ResumedText
 from deployments.ingress.telemetry import RequestTelemetry
 from deployments.ingress.validation import InvalidRequest, Limits
 from deployments.protocol import (
     EngineEvent,
     EngineRequest,
     Finish,
+    FinishReason,
     RequestRejected,
     Started,
     TokenDelta,
@@ -131,6 +134,24 @@ class _NotOpen:
 _NOT_OPEN = _NotOpen()
 
 
+# Raised by a stream for the client's or the deadline's sake, not an engine's.
+_NOT_ENGINE_FAILURES = (
+    *CLIENT_ERRORS,
+    RequestRejected,
+    RequestCancelledError,
+    asyncio.CancelledError,
+    TimeoutError,
+    BackPressureError,
+)
+
+
+def _unresumable() -> EngineUnavailable:
+    return EngineUnavailable(
+        "the engine replica serving this request failed and it could not be "
+        "resumed on another; the tokens sent so far stand; retry for the rest"
+    )
+
+
 def _tokenize_span() -> Any:
     return tracing.tracer().start_as_current_span("ingress.tokenize")
 
@@ -161,6 +182,7 @@ class Frontend:
         api_keys: Iterable[str],
         open_stream: OpenStream,
         admission: Admission | None = None,
+        migration_limit: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.facts = facts
@@ -168,6 +190,8 @@ class Frontend:
         self._api_keys = tuple(k.encode() for k in api_keys)
         self._open_stream = open_stream
         self._admission = admission
+        # Times a stream may move to another replica when its engine fails.
+        self._migration_limit = migration_limit
         self._inflight: dict[str, EngineStream] = {}  # request id -> open stream
         self._aborted: set[str] = set()
         self._placed: dict[str, _Placement] = {}  # requests the router dispatched
@@ -257,33 +281,89 @@ class Frontend:
             raise AlreadyInFlight(f"request_id {rid!r} is already in flight")
         self._inflight[rid] = _NOT_OPEN
         replica = ""
-        completion = 0
+        sent: list[int] = []  # output tokens the client has
+        shown: list[str] = []  # and their text
+        migrations = 0
+        resumed: ResumedText | None = None  # the text past a migration
+        current = request
         done = False
         outcome = Outcome.CANCELLED  # unless it finishes, or the replica fails it
+
+        def final(reason: FinishReason, cached: int = 0) -> Finish:
+            return Finish(
+                reason,
+                len(request.prompt_token_ids),
+                len(sent),
+                cached,
+                replica,
+                migrations=migrations,
+            )
+
         try:
-            events, head = await self._open(request, deadline_s, tel)
-            async for event in _chain(head, events):
-                if rid in self._aborted:
-                    # abort() cancelled the engine stream; what it still
-                    # delivers (its Finish among it) is not the client's.
+            while True:
+                try:
+                    events, head = await self._open(current, deadline_s, tel)
+                    async for event in _chain(head, events):
+                        if rid in self._aborted:
+                            # abort() cancelled the engine stream; what it still
+                            # delivers (its Finish among it) is not the client's.
+                            break
+                        stopped = False
+                        if isinstance(event, Started):
+                            replica = event.replica_id
+                        elif isinstance(event, TokenDelta):
+                            if resumed is not None:
+                                event, stopped = resumed.delta(event)
+                            sent.extend(event.token_ids)
+                            shown.append(event.text)
+                        elif isinstance(event, Finish):
+                            if resumed is not None and (rest := resumed.flush()):
+                                yield TokenDelta((), rest)
+                            done = True
+                            placed = self._placed.get(rid)
+                            hist = placed.expert_hist if placed else ()
+                            event = dataclasses.replace(
+                                final(event.reason, event.cached_tokens),
+                                expert_hist=hist or event.expert_hist,
+                            )
+                        yield event
+                        if stopped:  # a stop string that straddled the seam
+                            done = True
+                            _cancel(self._inflight.get(rid, _NOT_OPEN))
+                            yield final("stop")
+                            break
                     break
-                if isinstance(event, Started):
-                    replica = event.replica_id
-                elif isinstance(event, TokenDelta):
-                    completion += len(event.token_ids)
-                elif isinstance(event, Finish):
-                    done = True
-                    placed = self._placed.get(rid)
-                    if placed is not None and placed.expert_hist:
-                        event = dataclasses.replace(
-                            event, expert_hist=placed.expert_hist
-                        )
-                yield event
+                except Exception as e:
+                    if not sent or not self._may_migrate(e, rid, migrations):
+                        raise
+                    if len(sent) >= request.sampling.max_tokens:
+                        # It failed after its last token: the client has it all.
+                        self._settle(rid, Outcome.FAILED)
+                        done = True
+                        yield final("length")
+                        break
+                    migrations += 1
+                    self._settle(rid, Outcome.FAILED)  # it counts against the replica
+                    _cancel(self._inflight.get(rid, _NOT_OPEN))
+                    logger.warning(
+                        "request %s: replica %r failed after %d tokens (%r); "
+                        "resuming it elsewhere (migration %d of at most %d)",
+                        rid,
+                        replica,
+                        len(sent),
+                        e,
+                        migrations,
+                        self._migration_limit,
+                    )
+                    if tel is not None:
+                        tel.migrated(replica, len(sent), e)
+                    current = resume.continuation(request, sent)
+                    resumed = ResumedText(
+                        self.tokenizer, sent, "".join(shown), request.sampling.stop
+                    )
             if rid in self._aborted and not done:
                 done = True
-                yield Finish(
-                    "abort", len(request.prompt_token_ids), completion, 0, replica
-                )
+                yield final("abort")
                 return
             if not done:
                 raise EngineUnavailable("engine stream ended without finishing")
@@ -292,20 +372,28 @@ class Frontend:
             if rid not in self._aborted:
                 raise
             done = True
-            yield Finish("abort", len(request.prompt_token_ids), completion, 0, replica)
+            yield final("abort")
         except TimeoutError:
             placed = self._placed.get(rid)
             if placed is not None and not placed.started:
                 outcome = Outcome.TIMEOUT  # the replica never took it: stuck
+            if sent:  # its resumption missed the first-token deadline
+                raise _unresumable() from None
             raise DeadlineMissed(
                 f"no first token within deadline_ms={round((deadline_s or 0) * 1000)}"
             ) from None
         except BackPressureError:
+            if sent:
+                raise _unresumable() from None
             raise Overloaded(
                 "all engine replicas are at capacity; retry later",
                 retry_after_s=OVERLOAD_RETRY_S,
             ) from None
-        except CLIENT_ERRORS:  # the router's Shed among them, as it was raised
+        except Shed as e:
+            if sent:  # no replica could take the rest of the stream
+                raise _unresumable() from e
+            raise
+        except CLIENT_ERRORS:
             raise
         except RequestRejected as e:  # the engine refused what the request asks
             outcome = Outcome.REJECTED
@@ -313,6 +401,8 @@ class Frontend:
         except Exception as e:
             outcome = Outcome.FAILED
             logger.warning("request %s failed on replica %r: %r", rid, replica, e)
+            if sent:
+                raise _unresumable() from None
             raise EngineUnavailable(
                 "the engine replica serving this request failed; retry"
             ) from None
@@ -322,6 +412,14 @@ class Frontend:
             if not done:
                 _cancel(stream)
             self._settle(rid, outcome)
+
+    def _may_migrate(self, e: Exception, rid: str, migrations: int) -> bool:
+        """Whether a stream that raised ``e`` after its client got tokens goes on
+        on another replica: an engine failure (not the client's error, not a
+        cancel or a missed deadline), with migrations left to spend."""
+        if isinstance(e, _NOT_ENGINE_FAILURES) or rid in self._aborted:
+            return False
+        return migrations < self._migration_limit
 
     async def _admit(
         self,

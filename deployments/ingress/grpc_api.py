@@ -191,6 +191,7 @@ def finished_message(rid: str, f: Finish) -> pb.GenerateResponse:
             cached_tokens=f.cached_tokens,
             replica_id=f.replica_id,
             predicted_expert_hits=f.expert_hist,
+            migrations=f.migrations,
         ),
     )
 

@@ -290,6 +290,8 @@ def usage(f: Finish) -> dict[str, Any]:
         "completion_tokens": f.completion_tokens,
         "total_tokens": f.prompt_tokens + f.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": f.cached_tokens},
+        # moe-cluster's: times the stream moved to another replica.
+        "migrations": f.migrations,
     }
 
 

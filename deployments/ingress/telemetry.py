@@ -178,7 +178,20 @@ class RequestTelemetry:
                 A.CACHED_TOKENS: finish.cached_tokens,
                 A.RESPONSE_MODEL: self.model,
                 A.REPLICA: finish.replica_id,
+                A.MIGRATIONS: finish.migrations,
             }
+        )
+
+    def migrated(self, replica_id: str, tokens_sent: int, exc: BaseException) -> None:
+        """The stream's engine failed after ``tokens_sent`` tokens; it goes on
+        on another replica."""
+        self.span.add_event(
+            "migration",
+            {
+                A.REPLICA: replica_id,
+                "moe_cluster.migration.tokens_sent": tokens_sent,
+                A.ERROR_TYPE: type(exc).__name__,
+            },
         )
 
     def failed(self, exc: BaseException, error_type: str | None = None) -> None:

@@ -71,20 +71,22 @@ class Chunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class Finished(_message.Message):
-    __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "replica_id", "predicted_expert_hits")
+    __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "replica_id", "predicted_expert_hits", "migrations")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_EXPERT_HITS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     replica_id: str
     predicted_expert_hits: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., replica_id: _Optional[str] = ..., predicted_expert_hits: _Optional[_Iterable[int]] = ...) -> None: ...
+    migrations: int
+    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., replica_id: _Optional[str] = ..., predicted_expert_hits: _Optional[_Iterable[int]] = ..., migrations: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "chunk", "finished")

@@ -1,5 +1,7 @@
-"""A replica whose vLLM engine dies: its streams fail fast, the router's breaker
-opens on it and traffic moves to the other replica while Serve replaces it."""
+"""A replica whose vLLM engine dies mid-stream: its streams go on on the other
+replica from the tokens already sent (their KV loaded, not recomputed) with
+exactly the tokens of an uninterrupted run; the router's breaker opens on it
+and traffic moves to the other replica while Serve replaces it."""
 
 from __future__ import annotations
 
@@ -24,9 +26,13 @@ from tests.integration.test_router import router_snapshot
 
 RUN_LAST = True  # kills an engine; the cluster heals within the test
 STREAMS = 6  # least-loaded placement puts 3 on each replica
+MAX_TOKENS = 640
+# Killed once every stream has this many: two full blocks (saved to the page
+# store) and some, with most of the stream still to come.
+KILL_AFTER = 2 * BLOCK + 8
 
 
-def test_dead_engine_fails_its_streams_opens_its_breaker_and_is_replaced(
+def test_a_dead_engines_streams_resume_elsewhere_and_its_breaker_opens(
     served: Served, engine_handle: Any
 ) -> None:
     outcomes: dict[str, dict[str, Any]] = {}
@@ -36,20 +42,29 @@ def test_dead_engine_fails_its_streams_opens_its_breaker_and_is_replaced(
         request = pb.GenerateRequest(
             request_id=rid,
             token_ids=pb.TokenIds(ids=[410, 465, 14]),
-            sampling=pb.SamplingParams(max_tokens=480, temperature=0, ignore_eos=True),
+            sampling=pb.SamplingParams(
+                max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True
+            ),
         )
-        out = outcomes.setdefault(rid, {})
-        first = True
+        out = outcomes.setdefault(rid, {"tokens": [], "text": [], "gaps": []})
+        told = False
+        last = time.monotonic()
         try:
             for msg in served.client().generate(request, timeout=120):
-                if msg.HasField("chunk") and first:
-                    first = False
-                    started.release()
+                now = time.monotonic()
+                if msg.HasField("chunk"):
+                    out["tokens"] += msg.chunk.token_ids
+                    out["text"].append(msg.chunk.text)
+                    out["gaps"].append(now - last)
+                    last = now
+                    if not told and len(out["tokens"]) >= KILL_AFTER:
+                        told = True
+                        started.release()
                 elif msg.HasField("finished"):
                     out["finished"] = msg.finished
         except grpc.RpcError as e:
             out["code"], out["details"] = e.code(), e.details()
-        if first:
+        if not told:
             started.release()
 
     # Pages the node's store holds before the replica dies.
@@ -73,19 +88,34 @@ def test_dead_engine_fails_its_streams_opens_its_breaker_and_is_replaced(
     killed_at = time.monotonic()
 
     for t in readers:
-        t.join(60)
+        t.join(90)
         assert not t.is_alive(), "a stream hung after its engine died"
     # Pages the node's store holds while the replacement starts: served from the
     # store 4 times, the cluster's hottest prefix.
     kept = unique_prompt(6 * BLOCK + 1)
     for _ in range(5):
         generate(engine_handle, "", kept)
+    # Every stream finished, with the same greedy tokens and text: those on the
+    # dead engine went on on the other replica where they were cut.
+    assert all("code" not in o for o in outcomes.values()), outcomes
+    reference = outcomes[next(r for r in rids if r not in on_victim)]
+    assert len(reference["tokens"]) == MAX_TOKENS
     for rid in rids:
+        out, finished = outcomes[rid], outcomes[rid]["finished"]
+        assert out["tokens"] == reference["tokens"], rid  # no gap, no duplicate
+        assert "".join(out["text"]) == "".join(reference["text"]), rid
+        assert finished.completion_tokens == MAX_TOKENS
+        assert finished.prompt_tokens == 3
         if rid in on_victim:
-            assert outcomes[rid].get("code") == grpc.StatusCode.UNAVAILABLE, outcomes
-            assert "Traceback" not in outcomes[rid]["details"]
+            assert finished.migrations == 1, rid
+            assert finished.replica_id != victim.replica_id
+            # Its prompt and the blocks the dead engine saved: loaded, not
+            # computed again.
+            assert finished.cached_tokens >= 2 * BLOCK, (rid, finished)
         else:
-            assert outcomes[rid]["finished"].completion_tokens == 480
+            assert finished.migrations == 0
+    seams = sorted(max(outcomes[r]["gaps"]) for r in on_victim)
+    print(f"resume gap (longest pause per migrated stream): {seams} s")
 
     # Three failures in a row: the router opened the victim's breaker ...
     transitions = router_snapshot(served).transitions
@@ -112,12 +142,17 @@ def test_dead_engine_fails_its_streams_opens_its_breaker_and_is_replaced(
 
     release, _ = wait_until(opened_in_a_trace, 30, "the breaker event in a trace")
     assert release.attributes["moe_cluster.router.outcome"] == "failed"
-    failed = [
+    [request_span] = [
         s
         for s in traces.spans(release.trace_id)
         if s.name.startswith("text_completion")
     ]
-    assert failed and failed[0].error  # the request it failed
+    # The request went on: no error, its migration an event of its span.
+    assert not request_span.error
+    assert request_span.attributes["moe_cluster.migrations"] == 1
+    [(_, migration)] = [e for e in request_span.events if e[0] == "migration"]
+    assert migration["moe_cluster.replica"] == victim.replica_id
+    assert migration["moe_cluster.migration.tokens_sent"] >= KILL_AFTER
     # ... and traffic goes to the surviving replica meanwhile.
     ok = pb.GenerateRequest(
         token_ids=pb.TokenIds(ids=[5, 6]), sampling=pb.SamplingParams(max_tokens=4)

@@ -55,13 +55,17 @@ def running(service: RouterService) -> int:
 
 
 def setup(
-    *scripts: list[Any], slots: int = 1, queue: int = 8
+    *scripts: list[Any],
+    slots: int = 1,
+    queue: int = 8,
+    migration_limit: int = 0,
+    breaker_failures: int = 2,
 ) -> tuple[Frontend, RouterService, list[EngineRequest]]:
     cfg = RouterConfig.model_validate(
         {
             "max_running_per_replica": slots,
             "realtime_reserved_slots": 0,
-            "breaker_failures": 2,
+            "breaker_failures": breaker_failures,
             "max_queued": dict.fromkeys(("realtime", "normal", "background"), queue),
         }
     )
@@ -82,6 +86,7 @@ def setup(
         api_keys=(),
         open_stream=open_stream,
         admission=LocalAdmission(service),
+        migration_limit=migration_limit,
     )
     return fe, service, opened
 
@@ -194,3 +199,84 @@ async def test_the_predicted_expert_histogram_is_recorded_on_the_request(
     events = await drain(fe, req("1"))
     assert events[-1].expert_hist == predictor.histogram([1, 2, 3])
     assert sum(events[-1].expert_hist) == 3 * 2  # 3 prompt tokens x top-2
+
+
+class Tokens:
+    """A tokenizer whose every token is one letter (its text never cut)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def tokens(*ids: int) -> TokenDelta:
+    return TokenDelta(ids, Tokens().decode(list(ids)))
+
+
+async def test_a_stream_whose_engine_fails_goes_on_on_another_replica() -> None:
+    boom = RuntimeError("engine died")
+    fe, service, opened = setup(
+        [Started("a"), tokens(5), tokens(6, 7), boom],
+        [Started("b"), TokenDelta((8,), "engine's"), Finish("length", 6, 1, 3, "b")],
+        migration_limit=1,
+        breaker_failures=1,
+    )
+    fe.tokenizer = Tokens()
+    r = EngineRequest("m1", (1, 2, 3), Sampling(max_tokens=4, seed=9, stop=("zz",)))
+    events = await drain(fe, r)
+    deltas = [e for e in events if isinstance(e, TokenDelta)]
+    # One uninterrupted stream: every position once, the text made whole.
+    assert [t for d in deltas for t in d.token_ids] == [5, 6, 7, 8]
+    assert "".join(d.text for d in deltas) == "fghi"
+    assert events[-1] == Finish("length", 3, 4, 3, "b", migrations=1)
+    # The continuation: the prompt plus what was sent, the rest of max_tokens.
+    first, resumed = opened
+    assert resumed.prompt_token_ids == (1, 2, 3, 5, 6, 7)
+    assert resumed.sampling == Sampling(max_tokens=1, seed=12, stop=())
+    assert (first.replica_id, resumed.replica_id) == ("a", "b")  # a is busy
+    # The failure counted against the replica that failed (one opens it here).
+    assert service.snapshot().replicas["a"].breaker == "open"
+    assert running(service) == 0
+
+
+async def test_past_the_migration_limit_the_client_keeps_what_it_got() -> None:
+    boom = RuntimeError("engine died")
+    fe, _service, opened = setup(
+        [Started("a"), tokens(5), boom],
+        [Started("b"), tokens(6), boom],
+        migration_limit=1,
+    )
+    fe.tokenizer = Tokens()
+    got: list[Any] = []
+    with pytest.raises(EngineUnavailable, match="could not be resumed"):
+        async for event in fe.stream(req("m2")):
+            got.append(event)
+    assert [t for e in got if isinstance(e, TokenDelta) for t in e.token_ids] == [5, 6]
+    assert len(opened) == 2 and fe.in_flight() == []
+
+
+async def test_with_no_replica_to_resume_on_the_stream_fails_unavailable() -> None:
+    fe, service, _ = setup([], queue=0, migration_limit=2)
+    fe.tokenizer = Tokens()
+
+    class LastReplicaDies(ScriptedStream):
+        async def _events(self) -> Any:
+            yield Started("a")
+            yield tokens(5)
+            for r in ("a", "b"):  # every replica leaves the router
+                service.core.replicas.pop(ReplicaId(r))
+            raise RuntimeError("engine died")
+
+    fe._open_stream = lambda _req: LastReplicaDies([])
+    got: list[Any] = []
+    with pytest.raises(EngineUnavailable, match="could not be resumed"):
+        async for event in fe.stream(req("m3")):
+            got.append(event)
+    assert [t for e in got if isinstance(e, TokenDelta) for t in e.token_ids] == [5]
+
+
+async def test_migration_is_off_at_limit_zero() -> None:
+    boom = RuntimeError("engine died")
+    fe, _service, opened = setup([Started("a"), tokens(5), boom])
+    with pytest.raises(EngineUnavailable):
+        await drain(fe, req("m4"))
+    assert len(opened) == 1

@@ -90,7 +90,7 @@ def test_defaults_of_unserved_fields_pass(kw: dict[str, object]) -> None:
 
 
 def test_shapes() -> None:
-    fin = Finish("stop", 3, 2, 1, "r")
+    fin = Finish("stop", 3, 2, 1, "r", migrations=1)
     chat = ResponseShape("chat", "abc", "m")
     full = chat.full("hi", fin)
     assert full["id"] == "chatcmpl-abc" and full["object"] == "chat.completion"
@@ -100,6 +100,7 @@ def test_shapes() -> None:
         "completion_tokens": 2,
         "total_tokens": 5,
         "prompt_tokens_details": {"cached_tokens": 1},
+        "migrations": 1,
     }
     assert chat.chunk("x")["choices"][0]["delta"] == {"content": "x"}
     text = ResponseShape("completion", "abc", "m")
