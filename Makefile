@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= cluster/configs/tiny-cpu.yaml
 MODEL  := .models/tiny-deepseek-v2
 
-.PHONY: install serve test test-cpu-mla lint unit model proto clean bench-peers bench-qos bench-kv bench-ep bench-tracing
+.PHONY: install serve test test-cpu-mla lint unit model proto clean fuzz bench-peers bench-qos bench-kv bench-ep bench-tracing
 
 install: $(STAMP)
 
@@ -40,6 +40,13 @@ unit: install
 # AMX machine the other app of test_backends.py is then the AMX one).
 test-cpu-mla: lint
 	MOE_CLUSTER_TEST_BACKEND=CPU_MLA $(BIN)/pytest
+
+# 10,000 seeded malformed requests over both protocols (the default run has 2,000);
+# FUZZ_SEED picks another set.
+FUZZ_SEED ?= 20261202
+fuzz: lint
+	MOE_CLUSTER_FUZZ_CASES=10000 MOE_CLUSTER_FUZZ_SEED=$(FUZZ_SEED) \
+	    $(BIN)/pytest -s tests/integration/test_fuzz.py
 
 proto: install
 	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. \

@@ -6,11 +6,19 @@ Unknown keys are errors at every level, so a typo fails at load, not at 3 a.m.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
 
 from cluster import platform
 from cluster.qos import QoS
@@ -319,15 +327,49 @@ class RouterConfig(_Strict):
     )
 
 
+TENANT_PATTERN = r"^[A-Za-z0-9._:\-]{1,128}$"
+
+
+class ApiKey(_Strict):
+    """An API key and the tenants its requests may name."""
+
+    key: SecretStr
+    tenants: list[str] = Field(
+        default_factory=lambda: [""],
+        min_length=1,
+        description="Tenants this key's requests may name; the first is the one a "
+        'request that names none gets ("": the default, unsalted tenant). "*" '
+        "allows any (for a gateway that sets the tenant itself).",
+    )
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenant_names(cls, tenants: list[str]) -> list[str]:
+        for t in tenants:
+            if t not in ("", "*") and not re.match(TENANT_PATTERN, t):
+                raise ValueError(
+                    f"tenant {t!r}: at most 128 letters, digits and '._:-', or '' "
+                    "or '*'"
+                )
+        return tenants
+
+
 class ServerConfig(_Strict):
     host: str = Field("127.0.0.1", description="Address the HTTP proxy binds.")
     http_port: int = Field(8000, gt=0, lt=65536, description="OpenAI HTTP port.")
     grpc_port: int = Field(9000, gt=0, lt=65536, description="gRPC port.")
-    api_keys: list[SecretStr] = Field(
+    api_keys: list[ApiKey | SecretStr] = Field(
         default_factory=list,
         description="Accepted API keys ('Authorization: Bearer KEY' on HTTP and gRPC "
-        "metadata). Empty: no authentication.",
+        "metadata), each a key or {key, tenants}: a request may name only a tenant "
+        "its key allows (a bare key: the default tenant only), so tenants cannot "
+        "reach each other's cached prefixes. Empty: no authentication, any tenant.",
     )
+
+    def credentials(self) -> list[ApiKey]:
+        """Every key with its tenants (a bare key: the default tenant only)."""
+        return [k if isinstance(k, ApiKey) else ApiKey(key=k) for k in self.api_keys]
+
     max_prompt_bytes: int = Field(
         1 << 20,
         gt=0,

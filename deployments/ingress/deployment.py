@@ -25,7 +25,7 @@ from cluster import tracing
 from cluster.config import ClusterConfig
 from deployments.ingress import grpc_api, kv_warm, openai_api, validation
 from deployments.ingress.errors import CLIENT_ERRORS, ServiceError, Status, status_of
-from deployments.ingress.frontend import Frontend, ModelFacts
+from deployments.ingress.frontend import Credential, Frontend, ModelFacts
 from deployments.ingress.grpc_api import MalformedRequest
 from deployments.ingress.kv_warm import WarmRequest
 from deployments.ingress.router_client import RouterClient
@@ -162,7 +162,10 @@ class Ingress:
                 vocab_size=facts.vocab_size,
                 max_prompt_bytes=config.server.max_prompt_bytes,
             ),
-            api_keys=[k.get_secret_value() for k in config.server.api_keys],
+            api_keys=[
+                (k.key.get_secret_value(), k.tenants)
+                for k in config.server.credentials()
+            ],
             open_stream=self._open_stream,
             admission=_router_client(config),
             migration_limit=config.router.migration_limit,
@@ -184,25 +187,25 @@ class Ingress:
 
     def _grpc_auth(
         self, ctx: RayServegRPCContext, tel: RequestTelemetry | None = None
-    ) -> None:
+    ) -> Credential:
         metadata = dict(ctx.invocation_metadata())
-        self._authenticate(metadata.get("authorization"), tel)
+        return self._authenticate(metadata.get("authorization"), tel)
 
     def _authenticate(
         self, authorization: str | None, tel: RequestTelemetry | None
-    ) -> None:
+    ) -> Credential:
         if tel is None:
-            self.frontend.authenticate(authorization)
-            return
+            return self.frontend.authenticate(authorization)
         with tel.child("ingress.authenticate") as span:
             try:
-                self.frontend.authenticate(authorization)
+                credential = self.frontend.authenticate(authorization)
             except Exception:
                 span.set_attribute(tracing.Attr.AUTH, "refused")
                 raise
             outcome = "ok" if self._config.server.api_keys else "not-required"
             span.set_attribute(tracing.Attr.AUTH, outcome)
             tel.span.set_attribute(tracing.Attr.AUTH, outcome)
+        return credential
 
     @staticmethod
     def _grpc_fail(ctx: RayServegRPCContext, exc: BaseException) -> None:
@@ -223,11 +226,12 @@ class Ingress:
     ) -> AsyncIterator[pb.GenerateResponse]:
         tel = RequestTelemetry("text_completion", self.frontend.facts.name, "grpc")
         try:
-            self._grpc_auth(grpc_context, tel)
+            credential = self._grpc_auth(grpc_context, tel)
             if isinstance(request, MalformedRequest):
                 raise validation.InvalidRequest("request", request.message)
             with tel.child("ingress.validate"):
                 req, deadline = grpc_api.engine_request(request, self.frontend)
+                req = self.frontend.bind(credential, req)
             tel.request(req, stream=True)
             async for event in self.frontend.stream(req, deadline, tel):
                 if isinstance(event, TokenDelta):
@@ -245,11 +249,11 @@ class Ingress:
         self, request: Any, grpc_context: RayServegRPCContext
     ) -> pb.AbortResponse:
         try:
-            self._grpc_auth(grpc_context)
+            credential = self._grpc_auth(grpc_context)
             if isinstance(request, MalformedRequest):
                 raise validation.InvalidRequest("request", request.message)
             rid = validation.request_id(request.request_id)
-            return pb.AbortResponse(found=self.frontend.abort(rid))
+            return pb.AbortResponse(found=self.frontend.abort(rid, credential))
         except Exception as e:
             self._grpc_fail(grpc_context, e)
             return pb.AbortResponse()
@@ -342,7 +346,9 @@ class Ingress:
         page store hold them: e.g. a system prompt or a document about to be
         used. Answers how many pages each node now holds."""
         try:
-            self.frontend.authenticate(request.headers.get("authorization"))
+            credential = self.frontend.authenticate(
+                request.headers.get("authorization")
+            )
             req = openai_api.parse(WarmRequest, await request.body())
             limits = self.frontend.limits
             if (req.prompt is None) == (req.token_ids is None):
@@ -355,7 +361,7 @@ class Ingress:
             else:
                 ids = validation.token_ids(req.token_ids or [], limits, "token_ids")
             validation.prompt_fits(len(ids), limits, "prompt")
-            tenant = validation.tenant(req.tenant)
+            tenant = credential.tenant(validation.tenant(req.tenant))
             if not self._config.kvstore.enabled:
                 raise validation.InvalidRequest("kvstore", "the page store is off")
             cached = await self._engine.prefill.remote(list(ids), tenant)
@@ -387,7 +393,7 @@ class Ingress:
         tel = RequestTelemetry(operation, self.frontend.facts.name, "http")
         streaming = False
         try:
-            self._authenticate(request.headers.get("authorization"), tel)
+            credential = self._authenticate(request.headers.get("authorization"), tel)
             body = await request.body()
             limit = self._config.server.max_prompt_bytes + 64 * 1024
             with tel.child("ingress.validate"):
@@ -398,6 +404,7 @@ class Ingress:
                 req, engine_req, deadline = openai_api.engine_request(
                     body, kind, self.frontend, request.headers
                 )
+                engine_req = self.frontend.bind(credential, engine_req)
             tel.request(engine_req, stream=bool(req.stream))
             shape = openai_api.ResponseShape(
                 "chat" if kind == "chat" else "completion",

@@ -31,6 +31,12 @@ class Unauthenticated(ServiceError):
     status = Status(grpc.StatusCode.UNAUTHENTICATED, 401, "authentication_error")
 
 
+class PermissionDenied(ServiceError):
+    """The API key does not allow what the request names (another tenant)."""
+
+    status = Status(grpc.StatusCode.PERMISSION_DENIED, 403, "permission_error")
+
+
 class AlreadyInFlight(ServiceError):
     status = Status(grpc.StatusCode.ALREADY_EXISTS, 409, "invalid_request_error")
 

@@ -29,6 +29,7 @@ from deployments.ingress.errors import (
     DeadlineMissed,
     EngineUnavailable,
     Overloaded,
+    PermissionDenied,
     Unauthenticated,
 )
 from deployments.ingress.resume import ResumedText
@@ -71,6 +72,31 @@ class Admission(Protocol):
         ...
 
     def release(self, release: Release) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Credential:
+    """What an authenticated request may name: its key's tenants (``"*"``: any).
+    The first is the tenant of a request that names none."""
+
+    tenants: tuple[str, ...]
+
+    def allows(self, tenant: str) -> bool:
+        return tenant in self.tenants or "*" in self.tenants
+
+    def tenant(self, requested: str) -> str:
+        """The tenant a request runs as; raises ``PermissionDenied`` for one its
+        key does not allow (it would share, or time, that tenant's cache)."""
+        if not requested:
+            return "" if self.tenants[0] == "*" else self.tenants[0]
+        if not self.allows(requested):
+            raise PermissionDenied(
+                f"tenant {requested!r} is not allowed for this API key"
+            )
+        return requested
+
+
+ANY_TENANT = Credential(("*",))  # no API keys configured: nothing to bind
 
 
 @dataclass(slots=True)
@@ -179,7 +205,7 @@ class Frontend:
         tokenizer: Any,
         facts: ModelFacts,
         limits: Limits,
-        api_keys: Iterable[str],
+        api_keys: Iterable[str | tuple[str, Sequence[str]]],
         open_stream: OpenStream,
         admission: Admission | None = None,
         migration_limit: int = 0,
@@ -187,7 +213,14 @@ class Frontend:
         self.tokenizer = tokenizer
         self.facts = facts
         self.limits = limits
-        self._api_keys = tuple(k.encode() for k in api_keys)
+        # (key, its tenants); a bare key allows the default tenant only.
+        self._api_keys = tuple(
+            (k.encode(), Credential(("",)))
+            if isinstance(k, str)
+            else (k[0].encode(), Credential(tuple(k[1])))
+            for k in api_keys
+        )
+        self._tenants: dict[str, str] = {}  # in-flight request id -> its tenant
         self._open_stream = open_stream
         self._admission = admission
         # Times a stream may move to another replica when its engine fails.
@@ -198,16 +231,33 @@ class Frontend:
 
     # -- admission -----------------------------------------------------------
 
-    def authenticate(self, authorization: str | None) -> None:
-        """Accepts ``Bearer KEY`` (or a bare key) when keys are configured."""
+    def authenticate(self, authorization: str | None) -> Credential:
+        """Accepts ``Bearer KEY`` (or a bare key) when keys are configured;
+        returns what the key allows."""
         if not self._api_keys:
-            return
+            return ANY_TENANT
         if not authorization:
             raise Unauthenticated("missing API key (Authorization: Bearer KEY)")
-        presented = authorization.removeprefix("Bearer ").strip().encode()
-        # compare_digest against every key: timing reveals nothing about which.
-        if not any([hmac.compare_digest(presented, k) for k in self._api_keys]):
+        presented = (
+            authorization.removeprefix("Bearer ").strip().encode("utf-8", "replace")
+        )
+        # compare_digest against every key, each time: timing reveals nothing
+        # about which key matched, or how much of one.
+        found: Credential | None = None
+        for key, credential in self._api_keys:
+            if hmac.compare_digest(presented, key):
+                found = credential
+        if found is None:
             raise Unauthenticated("invalid API key")
+        return found
+
+    def bind(self, credential: Credential, request: EngineRequest) -> EngineRequest:
+        """``request`` as the tenant its credential allows (the key's default when
+        it names none); ``PermissionDenied`` for another tenant."""
+        tenant = credential.tenant(request.tenant)
+        if tenant == request.tenant:
+            return request
+        return dataclasses.replace(request, tenant=tenant)
 
     def encode_text(self, text: str) -> list[int]:
         with _tokenize_span() as span:
@@ -280,6 +330,7 @@ class Frontend:
         if rid in self._inflight:
             raise AlreadyInFlight(f"request_id {rid!r} is already in flight")
         self._inflight[rid] = _NOT_OPEN
+        self._tenants[rid] = request.tenant
         replica = ""
         sent: list[int] = []  # output tokens the client has
         shown: list[str] = []  # and their text
@@ -408,6 +459,7 @@ class Frontend:
             ) from None
         finally:
             stream = self._inflight.pop(rid, _NOT_OPEN)
+            self._tenants.pop(rid, None)
             self._aborted.discard(rid)
             if not done:
                 _cancel(stream)
@@ -531,10 +583,11 @@ class Frontend:
         elif placed.ttft_s is None:
             placed.ttft_s = now - placed.dispatched_at
 
-    def abort(self, request_id: str) -> bool:
-        """Cancels an in-flight request; False when none has that id."""
+    def abort(self, request_id: str, credential: Credential = ANY_TENANT) -> bool:
+        """Cancels an in-flight request; False when none has that id (or none
+        of a tenant ``credential`` allows: another tenant's is not there)."""
         stream = self._inflight.get(request_id)
-        if stream is None:
+        if stream is None or not credential.allows(self._tenants.get(request_id, "")):
             return False
         self._aborted.add(request_id)
         _cancel(stream)

@@ -53,6 +53,26 @@ def test_api_keys_are_secret(tmp_path: Path) -> None:
     assert "s3cret" not in repr(config)
 
 
+def test_api_keys_bind_tenants(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text(
+        "server:\n  api_keys:\n    - bare-key\n"
+        "    - {key: acme-key, tenants: [acme, acme-eu]}\n"
+        "    - {key: gateway-key, tenants: ['*']}\n"
+    )
+    keys = load_config(f).server.credentials()
+    assert [(k.key.get_secret_value(), k.tenants) for k in keys] == [
+        ("bare-key", [""]),  # a bare key: the default tenant only
+        ("acme-key", ["acme", "acme-eu"]),
+        ("gateway-key", ["*"]),
+    ]
+    assert "acme-key" not in repr(load_config(f))
+    for bad in ("[]", "[a/b]", "['" + "x" * 129 + "']"):
+        f.write_text(f"server:\n  api_keys:\n    - {{key: k, tenants: {bad}}}\n")
+        with pytest.raises(ValidationError):
+            load_config(f)
+
+
 def test_resolved_makes_the_model_path_absolute() -> None:
     config = ClusterConfig.model_validate({"model": {"path": "rel/model"}}).resolved()
     assert Path(config.model.path).is_absolute()

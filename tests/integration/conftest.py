@@ -28,7 +28,9 @@ from deployments.ingress.client import InferenceClient
 from tests.otlp_receiver import OTLPReceiver
 from tests.waiting import wait_until  # noqa: F401 (the tests import it from here)
 
-API_KEY = "test-key-123"
+API_KEY = "test-key-123"  # any tenant: the tests name several
+TENANT_KEY = "acme-key-456"  # bound to the acme tenants (test_tenants.py)
+ACME_TENANTS = ["acme", "acme-eu"]
 
 
 # The engines of the session's app. tests/ep/two_nodes.py runs its EP group with the
@@ -119,7 +121,10 @@ def app_settings(tiny_model: Path, **sections: dict[str, Any]) -> dict[str, Any]
         "server": {
             "http_port": free_port(),
             "grpc_port": free_port(),
-            "api_keys": [API_KEY],
+            "api_keys": [
+                {"key": API_KEY, "tenants": ["", "*"]},
+                {"key": TENANT_KEY, "tenants": ACME_TENANTS},
+            ],
             "max_prompt_bytes": 4096,
             "app_name": "moe-cluster-test",
         },

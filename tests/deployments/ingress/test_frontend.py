@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,9 +15,11 @@ from deployments.ingress.errors import (
     DeadlineMissed,
     EngineUnavailable,
     Overloaded,
+    PermissionDenied,
     Unauthenticated,
+    status_of,
 )
-from deployments.ingress.frontend import Frontend, ModelFacts
+from deployments.ingress.frontend import Credential, Frontend, ModelFacts
 from deployments.ingress.validation import Limits
 from deployments.protocol import (
     EngineEvent,
@@ -60,7 +63,7 @@ class ScriptedStream:
 
 
 def make(
-    script: list[Any], *retries: list[Any], keys: tuple[str, ...] = ()
+    script: list[Any], *retries: list[Any], keys: tuple[Any, ...] = ()
 ) -> tuple[Frontend, ScriptedStream]:
     """A Frontend whose engine plays ``script``, then ``retries`` on reopening."""
     streams = [ScriptedStream(s) for s in (script, *retries)]
@@ -196,3 +199,34 @@ def test_authentication() -> None:
             fe.authenticate(bad)
     open_fe, _ = make([])
     open_fe.authenticate(None)
+
+
+def test_a_key_binds_its_requests_to_its_tenants() -> None:
+    fe, _ = make([], keys=("bare", ("acme-key", ("acme", "acme-eu")), ("gw", ("*",))))
+    bare, acme, gateway = (fe.authenticate(k) for k in ("bare", "acme-key", "gw"))
+
+    def runs_as(credential: Credential, tenant: str) -> str:
+        return fe.bind(credential, dataclasses.replace(REQ, tenant=tenant)).tenant
+
+    # A request naming none runs as its key's first tenant.
+    assert (runs_as(bare, ""), runs_as(acme, ""), runs_as(gateway, "")) == (
+        "",
+        "acme",
+        "",
+    )
+    assert runs_as(acme, "acme-eu") == "acme-eu"
+    assert runs_as(gateway, "anyone") == "anyone"
+    for credential, tenant in [(bare, "acme"), (acme, "globex"), (bare, "x")]:
+        with pytest.raises(PermissionDenied, match=f"tenant '{tenant}' is not allowed"):
+            runs_as(credential, tenant)
+    assert status_of(PermissionDenied("x")).grpc_code.name == "PERMISSION_DENIED"
+    assert status_of(PermissionDenied("x")).http_status == 403
+
+
+async def test_only_a_key_allowing_its_tenant_finds_a_request_to_abort() -> None:
+    fe, _ = make([*TOKENS, "hang"], keys=(("a", ("acme",)), ("g", ("globex",))))
+    events = fe.stream(dataclasses.replace(REQ, tenant="acme"))
+    await anext(events)
+    assert fe.abort("r1", fe.authenticate("g")) is False  # not there, for globex
+    assert fe.abort("r1", fe.authenticate("a")) is True
+    assert [e async for e in events][-1].reason == "abort"  # type: ignore[union-attr]
