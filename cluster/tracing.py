@@ -25,6 +25,7 @@ endpoint nothing is installed: spans are the API's no-op spans.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -169,7 +170,33 @@ def span_processors() -> list[Any]:
     s = settings()
     if s is None:
         return []
+    _ignore_undecodable_traceparent()
     return [BatchSpanProcessor(_exporter(s))]
+
+
+def _ignore_undecodable_traceparent() -> None:
+    """NOTE: Ray Serve 2.60's HTTP proxy decodes a request's ``traceparent``
+    header as UTF-8 (``ASGIProxyRequest.populate_tracing_context`` in
+    ``ray/serve/_private/proxy_request_response.py``) and, for bytes that are
+    not, fails the request with a plain-text 500. A traceparent that does not
+    parse is to be ignored (W3C Trace Context, 3.2.2.1): this hook, which runs in
+    the proxy when it sets up tracing, makes it so. The request is then traced
+    as one without a parent."""
+    try:
+        from ray.serve._private import proxy_request_response as prr
+    except ImportError:
+        return
+    cls = prr.ASGIProxyRequest
+    original: Any = cls.populate_tracing_context
+    if getattr(original, "_moe_cluster", False):
+        return
+
+    def populate_tracing_context(self: Any) -> None:
+        with contextlib.suppress(UnicodeDecodeError):
+            original(self)
+
+    populate_tracing_context._moe_cluster = True  # type: ignore[attr-defined]
+    cls.populate_tracing_context = populate_tracing_context  # type: ignore[method-assign]
 
 
 _installed = False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,7 @@ class Verdict:
     case: Case
     answer: str  # "grpc OK", "grpc INVALID_ARGUMENT", "http 400" ...
     problem: str = ""  # empty: passed
+    seconds: float = 0.0
 
 
 @dataclass
@@ -41,9 +43,11 @@ class Report:
     valid_served: int = 0
     valid: int = 0
     failures: list[Verdict] = field(default_factory=list)
+    slowest: list[Verdict] = field(default_factory=list)
 
     def add(self, v: Verdict) -> None:
         self.cases += 1
+        self.slowest = sorted([*self.slowest, v], key=lambda x: -x.seconds)[:5]
         self.answers[v.answer] += 1
         self.kinds[f"{v.case.protocol} {v.case.kind}"] += 1
         if v.case.valid:
@@ -56,6 +60,8 @@ class Report:
         lines = [f"{self.cases} cases, {len(self.failures)} failed"]
         lines.append(f"valid requests served: {self.valid_served} of {self.valid}")
         lines += [f"  {n:6d}  {a}" for a, n in sorted(self.answers.items())]
+        for v in self.slowest:
+            lines.append(f"slowest: {v.seconds:.2f} s {v.case.protocol} {v.case.kind}")
         for v in self.failures[:10]:
             lines.append(f"FAILED {v.case.protocol} {v.case.kind}: {v.problem}")
         return "\n".join(lines)
@@ -83,22 +89,32 @@ class Target:
         self._http.close()
 
     def run(self, case: Case) -> Verdict:
+        t0 = time.monotonic()
         try:
             if isinstance(case, GrpcCase):
-                return self._grpc(case)
-            if case.raw is not None:
-                return self._raw(case)
-            return self._http_case(case)
+                v = self._grpc(case)
+            elif case.raw is not None:
+                v = self._raw(case)
+            else:
+                v = self._http_case(case)
         except Exception as e:  # the client could not even get an answer
-            return Verdict(case, "no answer", f"{type(e).__name__}: {e}")
+            v = Verdict(case, "no answer", f"{type(e).__name__}: {e}")
+        v.seconds = time.monotonic() - t0
+        return v
 
     def _grpc(self, case: GrpcCase) -> Verdict:
         md = [("authorization", f"Bearer {self.api_key}")]
         finished = None
+        call = self._generate(case.payload, metadata=md, timeout=TIMEOUT_S)
         try:
-            for msg in self._generate(case.payload, metadata=md, timeout=TIMEOUT_S):
+            for msg in call:
                 if msg.HasField("finished"):
                     finished = msg.finished
+                elif not case.valid:
+                    # Served (a mutation that still parses as a request, maybe
+                    # one running to the end of the context): that is an answer.
+                    call.cancel()
+                    return Verdict(case, "grpc OK (streaming)")
         except grpc.RpcError as e:
             code, details = e.code(), e.details() or ""
             v = Verdict(case, f"grpc {code.name}")

@@ -371,6 +371,35 @@ def test_http_routing_errors_have_the_openai_shape(
     assert err["message"]
 
 
+def test_a_traceparent_that_is_not_utf8_is_ignored(served: Served) -> None:
+    """Ray's proxy failed such a request with a plain-text 500; an unparsable
+    traceparent is to be ignored (W3C Trace Context)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    body = json.dumps(COMPLETION).encode()
+    request = b"\r\n".join(
+        [
+            b"POST /v1/completions HTTP/1.1",
+            b"Host: x",
+            b"Connection: close",
+            b"Content-Type: application/json",
+            f"Authorization: Bearer {served.api_key}".encode(),
+            b"traceparent: 00-\xff\xfe\xfd-01",
+            f"Content-Length: {len(body)}".encode(),
+            b"",
+            body,
+        ]
+    )
+    url = urlsplit(served.http_base)
+    with socket.create_connection((url.hostname, url.port), 60) as s:
+        s.sendall(request)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+
+
 def test_requests_the_engine_would_refuse_never_open_a_breaker(
     served: Served,
 ) -> None:
