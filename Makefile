@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= cluster/configs/tiny-cpu.yaml
 MODEL  := .models/tiny-deepseek-v2
 
-.PHONY: install serve test test-cpu-mla lint unit model proto clean fuzz bench-peers bench-qos bench-kv bench-ep bench-tracing
+.PHONY: install serve test test-cpu-mla lint unit model proto clean fuzz chaos bench-peers bench-qos bench-kv bench-ep bench-tracing
 
 install: $(STAMP)
 
@@ -47,6 +47,11 @@ FUZZ_SEED ?= 20261202
 fuzz: lint
 	MOE_CLUSTER_FUZZ_CASES=10000 MOE_CLUSTER_FUZZ_SEED=$(FUZZ_SEED) \
 	    $(BIN)/pytest -s tests/integration/test_fuzz.py
+
+# Each component killed in turn under load, a table of what clients saw (~6 min;
+# writes tests/perf/results/chaos.md).
+chaos: lint
+	$(BIN)/pytest -m chaos -s tests/integration/test_chaos.py
 
 proto: install
 	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. \
