@@ -354,6 +354,38 @@ class ApiKey(_Strict):
         return tenants
 
 
+class TLSConfig(_Strict):
+    """HTTPS for the OpenAI HTTP proxy (Ray Serve's ``HTTPOptions.ssl_*``).
+
+    NOTE: Ray Serve 2.60 passes no ``ssl_cert_reqs`` to uvicorn, so client
+    certificates cannot be required (no mutual TLS) through it."""
+
+    certfile: str = Field(description="PEM certificate (chain) the proxy presents.")
+    keyfile: str = Field(description="PEM private key of the certificate.")
+    keyfile_password: SecretStr | None = Field(
+        None, description="Password of an encrypted key file."
+    )
+
+    @model_validator(mode="after")
+    def _files_exist(self) -> TLSConfig:
+        for name in ("certfile", "keyfile"):
+            value = getattr(self, name)
+            if value is not None and not Path(value).expanduser().is_file():
+                raise ValueError(f"server.tls.{name}: no such file: {value}")
+        return self
+
+    def resolved(self) -> TLSConfig:
+        def absolute(p: str) -> str:
+            return str(Path(p).expanduser().resolve())
+
+        return self.model_copy(
+            update={
+                "certfile": absolute(self.certfile),
+                "keyfile": absolute(self.keyfile),
+            }
+        )
+
+
 class ServerConfig(_Strict):
     host: str = Field("127.0.0.1", description="Address the HTTP proxy binds.")
     http_port: int = Field(8000, gt=0, lt=65536, description="OpenAI HTTP port.")
@@ -376,6 +408,12 @@ class ServerConfig(_Strict):
         description="Largest prompt text (or chat messages) accepted, in bytes.",
     )
     app_name: str = Field("moe-cluster", min_length=1, description="Serve app name.")
+    tls: TLSConfig | None = Field(
+        None,
+        description="Serve OpenAI HTTP over TLS from this certificate and key. Ray "
+        "Serve 2.60's gRPC proxy has no TLS setting: gRPC stays plaintext (terminate "
+        "TLS for it in front of the proxy).",
+    )
 
 
 class WarmupPrompt(_Strict):
@@ -600,9 +638,13 @@ class ClusterConfig(_Strict):
                 "enable_prefix_caching": p.prefix_caching,
             }
         )
+        server = self.server
+        if server.tls is not None:
+            server = server.model_copy(update={"tls": server.tls.resolved()})
         return self.model_copy(
             update={
                 "model": self.model.model_copy(update={"path": path}),
+                "server": server,
                 "engine": engine,
             }
         )

@@ -66,7 +66,12 @@ def deploy(config: ClusterConfig) -> None:
 
 def proxy_options(config: ClusterConfig) -> tuple[HTTPOptions, gRPCOptions]:
     s = config.server
+    tls: dict[str, Any] = {}
+    if s.tls is not None:
+        tls = {"ssl_certfile": s.tls.certfile, "ssl_keyfile": s.tls.keyfile}
+        if s.tls.keyfile_password is not None:
+            tls["ssl_keyfile_password"] = s.tls.keyfile_password.get_secret_value()
     return (
-        HTTPOptions(host=s.host, port=s.http_port),
+        HTTPOptions(host=s.host, port=s.http_port, **tls),
         gRPCOptions(port=s.grpc_port, grpc_servicer_functions=GRPC_SERVICERS),
     )
