@@ -135,6 +135,13 @@ def test_a_prefix_computed_on_one_replica_is_loaded_on_the_other(
     # The KV itself. B extends a prefix A stored, and A does the same under
     # another tenant (same tokens, same schedule, its own pages): what B computes
     # on top of the pages it loaded equals what A computes on top of its own.
+    # Alone on the engines: a request batched beside them (one an earlier test
+    # left aborting) would change the schedule, and the KV with it (see below).
+    wait_until(
+        lambda: all(s.running == 0 for s in engine_stats(engine_handle).values()),
+        60,
+        "idle engines",
+    )
     first = 3 if BLOCK == 16 else 1  # the blocks the quirk below touches
     prefix = unique_prompt((first + 3) * BLOCK + 1)
     prompt = prefix + unique_prompt((first + 3) * BLOCK)
