@@ -327,7 +327,13 @@ class RouterConfig(_Strict):
     )
 
 
-TENANT_PATTERN = r"^[A-Za-z0-9._:\-]{1,128}$"
+# Request ids and tenant names: the same rule in the config and the ingress.
+MAX_ID_CHARS = 128
+ID_RE = re.compile(r"^[A-Za-z0-9._:\-]+$")
+
+
+def is_id(value: str) -> bool:
+    return 0 < len(value) <= MAX_ID_CHARS and ID_RE.match(value) is not None
 
 
 class ApiKey(_Strict):
@@ -346,7 +352,7 @@ class ApiKey(_Strict):
     @classmethod
     def _tenant_names(cls, tenants: list[str]) -> list[str]:
         for t in tenants:
-            if t not in ("", "*") and not re.match(TENANT_PATTERN, t):
+            if t not in ("", "*") and not is_id(t):
                 raise ValueError(
                     f"tenant {t!r}: at most 128 letters, digits and '._:-', or '' "
                     "or '*'"

@@ -8,11 +8,11 @@ its request from the message alone.
 from __future__ import annotations
 
 import math
-import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cluster.config import MAX_ID_CHARS, is_id
 from deployments.protocol import Sampling
 
 # vLLM's own bounds (vllm/sampling_params.py, SamplingParams._verify_args),
@@ -21,8 +21,6 @@ from deployments.protocol import Sampling
 MAX_TEMPERATURE = 2.0
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
-MAX_ID_CHARS = 128
-_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]+$")
 _INT32_MAX = 2**31 - 1
 
 
@@ -45,7 +43,7 @@ def request_id(value: str, field: str = "request_id") -> str:
     """The client's id, or a fresh one when empty."""
     if not value:
         return uuid.uuid4().hex
-    if len(value) > MAX_ID_CHARS or not _ID_RE.match(value):
+    if not is_id(value):
         raise InvalidRequest(
             field,
             f"must be 1-{MAX_ID_CHARS} characters of letters, digits and '._:-'",
@@ -54,7 +52,7 @@ def request_id(value: str, field: str = "request_id") -> str:
 
 
 def tenant(value: str, field: str = "tenant") -> str:
-    if value and (len(value) > MAX_ID_CHARS or not _ID_RE.match(value)):
+    if value and not is_id(value):
         raise InvalidRequest(
             field, f"must be at most {MAX_ID_CHARS} letters, digits and '._:-'"
         )
