@@ -32,7 +32,9 @@ from router.stats import RouterStats
 from router.types import (
     Outcome,
     Release,
+    ReplicaId,
     ReplicaReport,
+    ReportAck,
     RouteDecision,
     Shed,
     Ticket,
@@ -145,12 +147,23 @@ class DeepSeekRouter:
             {"kind": t.kind, "key": t.key, "from": t.old, "to": t.new},
         )
 
-    async def report(self, report: ReplicaReport) -> str:
-        """Merges a replica's report; returns this incarnation's id, so a replica
-        can tell that a restarted router needs its whole state again."""
+    async def report(self, report: ReplicaReport) -> ReportAck:
+        """Merges a replica's report. The answer carries this incarnation's id, so
+        a replica can tell that a restarted router needs its whole state again,
+        and whether Serve is stopping it."""
         self._start()
-        self._service.report(report)
-        return self.incarnation
+        draining = self._service.report(report)
+        return ReportAck(self.incarnation, draining)
+
+    async def serving_changed(
+        self, added: list[ReplicaId], removed: list[ReplicaId]
+    ) -> None:
+        """Serve's running engine replicas changed, as an ingress's request router
+        saw it: a removed replica is being stopped and drains."""
+        self._start()
+        if removed:
+            logger.info("replicas stopping, draining: %s", ", ".join(removed))
+        self._service.serving_changed(added, removed)
 
     async def snapshot(self) -> RouterStats:
         return self._service.snapshot()

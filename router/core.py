@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from cluster.qos import QoS
@@ -61,6 +61,8 @@ def expert_pressure(load: ExpertLoad | None, config: CoreSettings) -> float:
 
 LEASE_GRACE_S = 3.0  # a dispatched request shows up in its replica's reports by then
 RELEASED_MEMORY_S = 10.0
+# A stopped replica still reports while it drains; forgotten this long after.
+RETIRED_MEMORY_S = 600.0
 MIN_RETRY_S, MAX_RETRY_S = 0.5, 30.0
 
 
@@ -96,6 +98,9 @@ class RouterCore:
         self.served_ttft: dict[QoS, deque[float]] = {q: deque(maxlen=2000) for q in QoS}
         self.counters = Counters()
         self._released: dict[str, float] = {}
+        # Replicas Serve has stopped (scale-down, redeploy, shutdown), told by
+        # the ingresses' request routers, with when: they drain.
+        self.retired: dict[ReplicaId, float] = {}
         self._ttft = Ewma(0.2, config.default_ttft_ms / 1000)
         self._freed = RateMeter()
         self._tokens = itertools.count(1)
@@ -250,6 +255,7 @@ class RouterCore:
             r
             for r in self.replicas.values()
             if serving[r.group_key]
+            and not r.draining
             and r.breaker.allows()
             and r.slots_free(qos, slots, reserved)
         ]
@@ -266,7 +272,7 @@ class RouterCore:
         failing (one dead rank stops the group), and its expert breaker allowing
         ``qos``."""
         whole = len(ranks) >= ranks[0].group_size
-        if not whole or any(r.breaker.state == OPEN for r in ranks):
+        if not whole or any(r.breaker.state == OPEN or r.draining for r in ranks):
             return False
         breaker = self.group_breakers.get(ranks[0].group_key)
         if breaker is None:
@@ -353,7 +359,8 @@ class RouterCore:
         else:
             blamed.breaker.abandon_probe()
 
-    def report(self, report: ReplicaReport) -> None:
+    def report(self, report: ReplicaReport) -> bool:
+        """Merges a replica's report; returns whether that replica is draining."""
         now = self._clock()
         replica = self.replicas.get(report.replica_id)
         if replica is None:
@@ -370,8 +377,27 @@ class RouterCore:
             )
             self.replicas[report.replica_id] = replica
         replica.reconcile(report, now, LEASE_GRACE_S, self._released)
+        replica.draining = report.replica_id in self.retired
         self.directory.apply(report.replica_id, report.kv_events)
         self._merge_group_load(replica.group_key)
+        return replica.draining
+
+    def serving_changed(
+        self, added: Iterable[ReplicaId], removed: Iterable[ReplicaId]
+    ) -> None:
+        """Serve's set of running replicas changed. A removed replica is being
+        stopped: it takes no new work, and its leases finish or are handed off
+        (it learns so from the answer to its next report). One that comes back
+        is no longer draining. Call ``pump`` after."""
+        now = self._clock()
+        for rid in removed:
+            self.retired[rid] = now
+            if (replica := self.replicas.get(rid)) is not None:
+                replica.draining = True
+        for rid in added:
+            self.retired.pop(rid, None)
+            if (replica := self.replicas.get(rid)) is not None:
+                replica.draining = False
 
     def follow_stores(self, changes: Changes[Entry]) -> None:
         """The kvstore directory's changes since the last call: which node's page
@@ -394,6 +420,9 @@ class RouterCore:
         for req, at in list(self._released.items()):
             if now - at > RELEASED_MEMORY_S:
                 del self._released[req]
+        for rid, at in list(self.retired.items()):
+            if now - at > RETIRED_MEMORY_S and rid not in self.replicas:
+                del self.retired[rid]
         live = self.groups()
         for group in list(self.group_loads):
             if group not in live:
@@ -474,6 +503,7 @@ class RouterCore:
                     breaker=r.breaker.state,
                     cached_blocks=self.directory.num_blocks(rid),
                     node=r.node_id,
+                    draining=r.draining,
                 )
                 for rid, r in sorted(self.replicas.items())
             },

@@ -45,6 +45,7 @@ class Replica:
     group: str = ""  # EP group ("": the replica is its own group of one)
     group_size: int = 1
     node_id: str = ""  # where it runs ("": unknown, no page store counted)
+    draining: bool = False  # Serve is stopping it: no new work, leases finish
     # Sum of the leases' predicted expert hits, kept as leases come and go.
     _predicted: dict[int, float] = field(default_factory=dict)
 

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from cluster.loops import every
 from kvstore.directory import Entry
@@ -23,6 +23,7 @@ from router.stats import Percentiles, RouterStats
 from router.types import (
     Outcome,
     Release,
+    ReplicaId,
     ReplicaReport,
     RouteDecision,
     Shed,
@@ -108,8 +109,17 @@ class RouterService:
         self.core.release(release)
         self.pump()
 
-    def report(self, report: ReplicaReport) -> None:
-        self.core.report(report)
+    def report(self, report: ReplicaReport) -> bool:
+        """Merges a replica's report; returns whether that replica is draining."""
+        draining = self.core.report(report)
+        self.pump()
+        return draining
+
+    def serving_changed(
+        self, added: Iterable[ReplicaId], removed: Iterable[ReplicaId]
+    ) -> None:
+        """Serve's running replicas changed (see ``RouterCore.serving_changed``)."""
+        self.core.serving_changed(added, removed)
         self.pump()
 
     def follow_stores(self, changes: Changes[Entry]) -> None:

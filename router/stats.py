@@ -41,6 +41,7 @@ class ReplicaStats:
     breaker: str  # "closed" | "half-open" | "open"
     cached_blocks: int  # blocks its engine's own prefix cache holds
     node: str  # the Ray node it runs on ("" until it says)
+    draining: bool = False  # Serve is stopping it: it takes no new work
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,6 +60,15 @@ class Outcome(Enum):
     TIMEOUT = "timeout"  # no first token in time after dispatch
     CANCELLED = "cancelled"  # the client went away: not the replica's fault
     REJECTED = "rejected"  # the engine refused the request itself: not its fault
+    HANDED_OFF = "handed-off"  # its replica was stopping: resumed elsewhere
+
+
+@dataclass(frozen=True, slots=True)
+class ReportAck:
+    """The router's answer to a replica's report."""
+
+    incarnation: str  # changes when the router restarts: resend everything
+    draining: bool = False  # Serve is stopping the replica: finish or hand off
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,16 +7,26 @@ delivery. The chosen replica travels in ``EngineRequest.replica_id`` (or in a
 disabled) may go to any replica, and a request
 whose replica has left the candidate set (it died, or was just replaced) goes to
 any other: the ingress learns where it ran from the stream's ``Started`` event.
+
+It is also where the DeepSeekRouter learns that Serve is stopping a replica
+(scale-down, redeploy, shutdown): Serve takes a stopping replica out of every
+handle's set at once, and this router tells the DeepSeekRouter, which stops
+placing work there and tells the replica to drain.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import random
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from deployments.protocol import EngineRequest, Pin
+
+logger = logging.getLogger("moe_cluster.ingress")
+TELL_TIMEOUT_S = 10.0
 
 
 def target_of(pending: PendingRequest | None) -> str:
@@ -43,3 +53,27 @@ class PinnedRequestRouter(RequestRouter):
         # Anywhere: two at random, as Serve's default (it takes the less busy);
         # a fixed order would send every such call to the same replica.
         return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        before = {rid.unique_id for rid in self.curr_replicas}
+        super().update_replicas(replicas)
+        now = {r.replica_id.unique_id for r in replicas}
+        added, removed = sorted(now - before), sorted(before - now)
+        if added or removed:
+            self._event_loop.create_task(self._tell_router(added, removed))
+
+    async def _tell_router(self, added: list[str], removed: list[str]) -> None:
+        import ray
+
+        from cluster.actors import NAMESPACE
+        from router.actor import actor_name
+
+        try:
+            router = await asyncio.to_thread(
+                ray.get_actor, actor_name(self.app_name), namespace=NAMESPACE
+            )
+            await asyncio.wait_for(
+                router.serving_changed.remote(added, removed), TELL_TIMEOUT_S
+            )
+        except Exception as e:  # no router yet (it starts with the first report)
+            logger.debug("could not tell the router of %s/%s: %r", added, removed, e)

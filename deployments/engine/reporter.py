@@ -18,6 +18,7 @@ from router.types import (
     KVEvent,
     ReplicaId,
     ReplicaReport,
+    ReportAck,
     RequestProgress,
 )
 
@@ -38,6 +39,7 @@ class Reporter:
         node_id: str = "",
         connect: Callable[[], Any],
         interval_s: float,
+        on_draining: Callable[[bool], None] = lambda draining: None,
     ) -> None:
         self._replica_id = ReplicaId(replica_id)
         self._progress = progress
@@ -52,6 +54,10 @@ class Reporter:
         self._interval_s = interval_s
         self._handle: Any = None
         self._rate = Ewma(RATE_SMOOTHING, 0.0)  # tokens/s while busy
+        # Called when the router's answer says Serve is stopping this replica
+        # (True), or no longer (False).
+        self._on_draining = on_draining
+        self._draining = False
 
     async def run(self) -> None:
         import ray.exceptions
@@ -80,7 +86,9 @@ class Reporter:
             try:
                 if self._handle is None:
                     self._handle = await asyncio.to_thread(self._connect)
-                seen_by = await asyncio.wait_for(self._handle.report.remote(report), 2)
+                ack: ReportAck = await asyncio.wait_for(
+                    self._handle.report.remote(report), 2
+                )
             except Exception as e:  # restarting or slow: the next report catches up
                 # Its KV changes may be lost: the next report sends the whole set.
                 self._resend_all = True
@@ -90,5 +98,8 @@ class Reporter:
                 continue
             # A router that has not seen this replica's blocks yet (first contact,
             # or restarted since) gets them all in the next report.
-            self._resend_all = seen_by != self._router_incarnation and not full
-            self._router_incarnation = seen_by
+            self._resend_all = ack.incarnation != self._router_incarnation and not full
+            self._router_incarnation = ack.incarnation
+            if ack.draining != self._draining:
+                self._draining = ack.draining
+                self._on_draining(ack.draining)

@@ -17,8 +17,9 @@ async def test_the_actor_admits_refuses_and_reports_through_its_service() -> Non
     )
     router = DeepSeekRouter(config, num_experts=0)
     try:
-        seen_by = await router.report(ReplicaReport(ReplicaId("a"), node_id="n1"))
-        assert seen_by == router.incarnation  # a replica tells a restart by this
+        ack = await router.report(ReplicaReport(ReplicaId("a"), node_id="n1"))
+        assert ack.incarnation == router.incarnation  # a replica tells a restart
+        assert not ack.draining
         decision = await router.admit(Ticket("t1", QoS.NORMAL, 8, 4))
         assert not isinstance(decision, Shed) and decision.replica_id == "a"
         # The only slot is taken and no queue: refused, returned (not raised).
@@ -34,6 +35,10 @@ async def test_the_actor_admits_refuses_and_reports_through_its_service() -> Non
         await router.reset_stats()
         assert (await router.snapshot()).ttft_ms["normal"] is None
         assert await router.config() == config
+        # Serve stops "a": its next report is told to drain.
+        await router.serving_changed([], [ReplicaId("a")])
+        ack = await router.report(ReplicaReport(ReplicaId("a"), node_id="n1"))
+        assert ack.draining and (await router.snapshot()).replicas["a"].draining
         assert await router.follows_stores() is None
     finally:
         for task in router._tasks:

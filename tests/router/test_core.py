@@ -295,3 +295,52 @@ def test_a_submit_returns_every_waiting_request_it_dispatched() -> None:
     assert core.snapshot().queued["normal"] == 0
     refused = core.submit(_t("late", BG, deadline_s=1e-4))
     assert isinstance(refused.outcome, Shed) and refused.dispatched == ()
+
+
+def test_a_replica_serve_stops_drains_its_leases_and_takes_no_new_work() -> None:
+    clock = Clock()
+    core = _core(clock)
+    first = submit(core, _t("1"))
+    assert isinstance(first, RouteDecision) and first.replica_id == "a"
+    core.serving_changed(added=[], removed=[ReplicaId("a")])
+    # Its report is answered "draining"; the lease it holds stays until released.
+    assert core.report(ReplicaReport(ReplicaId("a"))) is True
+    assert core.report(ReplicaReport(ReplicaId("b"))) is False
+    assert core.snapshot().replicas["a"].draining
+    assert core.replicas[ReplicaId("a")].running == 1
+    # New work, realtime included, goes to the other replica only (2 slots,
+    # and realtime's reserved one) ...
+    for i, qos in enumerate((NORMAL, NORMAL, RT)):
+        d = submit(core, _t(f"n{i}", qos))
+        assert isinstance(d, RouteDecision) and d.replica_id == "b", i
+    # ... or waits, though "a" has a free slot.
+    assert isinstance(submit(core, _t("w")), Waiting)
+    # A stream handed off while draining does not count against the replica.
+    core.release(Release("1", Outcome.HANDED_OFF, ReplicaId("a")))
+    assert core.replicas[ReplicaId("a")].breaker.state == "closed"
+    assert core.replicas[ReplicaId("a")].running == 0
+
+
+def test_a_draining_replica_that_serve_keeps_serves_again() -> None:
+    core = _core(Clock())
+    core.serving_changed(added=[], removed=[ReplicaId("a"), ReplicaId("b")])
+    assert isinstance(submit(core, _t("1")), Waiting)  # nothing serves
+    core.serving_changed(added=[ReplicaId("b")], removed=[])
+    assert core.report(ReplicaReport(ReplicaId("b"))) is False
+    d = core.pump()
+    assert [(w.ticket.request_id, r.replica_id) for w, r in d] == [("1", "b")]
+
+
+def test_a_replica_retired_before_its_first_report_drains_from_the_start() -> None:
+    clock = Clock()
+    core = _core(clock)
+    core.serving_changed(added=[], removed=[ReplicaId("c")])
+    assert core.report(ReplicaReport(ReplicaId("c"))) is True
+    # Forgotten once it has gone quiet for long.
+    clock.advance(core.config.replica_stale_s + 1)
+    core.report(ReplicaReport(ReplicaId("a")))
+    core.tick()
+    assert ReplicaId("c") not in core.replicas
+    clock.advance(601)
+    core.tick()
+    assert core.retired == {}

@@ -17,7 +17,7 @@ from deployments.engine.kv_events import (
 from deployments.engine.reporter import Reporter
 from kvstore.block_hash import block_hashes
 from router.prefix import PrefixDirectory
-from router.types import KVEvent, ReplicaId, ReplicaReport
+from router.types import KVEvent, ReplicaId, ReplicaReport, ReportAck
 
 H = block_hashes(list(range(64)), 16)  # 4 chained block hashes
 PROBE = block_hashes(list(range(100, 116)), 16)[0]
@@ -103,17 +103,18 @@ class FakeRouter:
 
     def __init__(self) -> None:
         self.incarnation = "one"
+        self.draining = False
         self.reports: list[ReplicaReport] = []
         self.fail = False
         outer = self
 
         class _Method:
             def remote(self, report: ReplicaReport) -> Any:
-                async def answer() -> str:
+                async def answer() -> ReportAck:
                     if outer.fail:
                         raise RuntimeError("restarting")
                     outer.reports.append(report)
-                    return outer.incarnation
+                    return ReportAck(outer.incarnation, outer.draining)
 
                 return answer()
 
@@ -157,6 +158,38 @@ async def test_reporter_resends_all_blocks_to_a_new_router() -> None:
         first_after = router.reports[n]
         assert first_after.kv_events == (KVEvent("cleared"),)
         assert router.reports[n + 1].kv_events == ()
+    finally:
+        task.cancel()
+
+
+async def test_reporter_says_when_the_router_has_the_replica_draining() -> None:
+    router = FakeRouter()
+    told: list[bool] = []
+    reporter = Reporter(
+        "r1",
+        progress=lambda: (),
+        tokens_generated=lambda: 0,
+        connect=lambda: router,
+        interval_s=0.01,
+        on_draining=told.append,
+    )
+    task = asyncio.create_task(reporter.run())
+
+    async def reports(n: int) -> None:
+        while len(router.reports) < n:
+            await asyncio.sleep(0.005)
+
+    try:
+        await reports(2)
+        assert told == []  # serving: nothing to say
+        router.draining = True
+        n = len(router.reports)
+        await reports(n + 3)
+        assert told == [True]  # once, on the change
+        router.draining = False  # Serve kept it after all
+        n = len(router.reports)
+        await reports(n + 2)
+        assert told == [True, False]
     finally:
         task.cancel()
 
