@@ -6,9 +6,11 @@ Unknown keys are errors at every level, so a typo fails at load, not at 3 a.m.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
@@ -182,6 +184,14 @@ class DeploymentConfig(_Strict):
     )
     health_check_timeout_s: float = Field(
         30.0, gt=0, description="A health check slower than this fails."
+    )
+    drain_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="When Serve stops an engine replica (scale-down, redeploy, "
+        "shutdown), how long its streams may run to their end; those still running "
+        "then are handed off and resumed on another replica (router.migration_limit "
+        "> 0), their KV loaded from the page store.",
     )
 
 
@@ -654,6 +664,22 @@ class ClusterConfig(_Strict):
                 "engine": engine,
             }
         )
+
+    def version(self) -> str:
+        """The deployments' Serve version: a digest of everything but the replica
+        count (secrets included, so a rotated key rolls the ingress). A redeploy
+        that changes only ``deployment.num_replicas`` scales without restarting a
+        replica; any other change replaces them, each old one draining."""
+        scaled = self.deployment.model_copy(update={"num_replicas": 1})
+        data = self.model_copy(update={"deployment": scaled}).model_dump()
+        text = json.dumps(data, sort_keys=True, default=_reveal)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _reveal(value: Any) -> Any:
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    return str(value)
 
 
 def load_config(path: str | Path) -> ClusterConfig:

@@ -14,7 +14,7 @@ from cluster.tiny_model import write_tiny_model
 from deployments.engine.args import engine_env
 from deployments.engine.deployment import EngineDeployment
 from deployments.engine.pinned_router import PinnedRequestRouter
-from deployments.ep.group import engine_options
+from deployments.ep.group import DRAIN_CHECK_S, engine_options, shutdown_timeout_s
 from deployments.ingress.deployment import Ingress
 
 GRPC_SERVICERS = [
@@ -41,12 +41,23 @@ def build_app(config: ClusterConfig) -> Application:
         routing["request_router_config"] = RequestRouterConfig(
             request_router_class=PinnedRequestRouter
         )
+    # One version for both: a redeploy that only changes the replica count scales
+    # the engines without restarting any replica (see ClusterConfig.version).
+    version = config.version()
     engine = EngineDeployment.options(
-        **routing, **engine_options(config, engine_env(config.engine))
+        **routing,
+        **engine_options(config, engine_env(config.engine)),
+        version=version,
     ).bind(config)
     # The ingress only parses and relays: it takes no CPU from the engines.
+    # The ingress holds the client streams: stopped, it waits for them as long
+    # as the engines' drain and the resumptions after it may take.
     return Ingress.options(
-        max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0}
+        max_ongoing_requests=4096,
+        ray_actor_options={"num_cpus": 0},
+        graceful_shutdown_timeout_s=shutdown_timeout_s(config),
+        graceful_shutdown_wait_loop_s=DRAIN_CHECK_S,
+        version=version,
     ).bind(config, engine)
 
 

@@ -79,6 +79,12 @@ class RequestRejected(Exception):
         return (RequestRejected, (str(self), self.parameter))
 
 
+class HandedOff(Exception):
+    """The replica is being stopped and its drain timeout ran out before this
+    stream finished: the stream stops here, and the ingress resumes it on another
+    replica from the tokens already sent. Not the replica's failure."""
+
+
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     replica_id: str

@@ -2,9 +2,11 @@
 
 ``EngineServer`` joins the replica's EP group, opens its KV event endpoint,
 attaches the node's page store, reports to the DeepSeekRouter and warms the engine
-before traffic. The engine class and where the replica runs are injected, so this
-logic is unit-tested with a scripted engine and no cluster; ``EngineDeployment``
-is the class Serve runs.
+before traffic. When Serve stops it, it drains: the router (told by the ingresses)
+sends it nothing new, and what still runs after ``deployment.drain_timeout_s`` is
+handed off, to be resumed on another replica. The engine class and where the
+replica runs are injected, so this logic is unit-tested with a scripted engine and
+no cluster; ``EngineDeployment`` is the class Serve runs.
 """
 
 from __future__ import annotations
@@ -27,7 +29,13 @@ from deployments.engine.reporter import Reporter
 from deployments.engine.vllm_engine import VLLMEngine
 from deployments.ep import group as ep_group
 from deployments.ep.group import GroupRank
-from deployments.protocol import EngineEvent, EngineRequest, EngineStats, Pin
+from deployments.protocol import (
+    EngineEvent,
+    EngineRequest,
+    EngineStats,
+    HandedOff,
+    Pin,
+)
 
 logger = logging.getLogger("moe_cluster.engine")
 
@@ -69,6 +77,9 @@ class EngineServer:
         replica_id = where.replica_id
         self._node_id = where.node_id
         self._exit_process = exit_process
+        self._drain_timeout_s = config.deployment.drain_timeout_s
+        self._drain_task: asyncio.Task[None] | None = None
+        self._handing_off = False
         self._group: GroupRank | None = None
         if config.expert_parallel.enabled:
             if where.gang is None:
@@ -119,6 +130,7 @@ class EngineServer:
                     follow_stores=config.kvstore.enabled,
                 ),
                 interval_s=config.router.report_interval_s,
+                on_draining=self._draining,
             )
             self._tasks += [
                 loop.create_task(listener.run()),
@@ -174,6 +186,39 @@ class EngineServer:
             prompts += [(list(tokens), "", salt) for salt, tokens in hot]
         await self._engine.warm(prompts, kv.warmup_timeout_s)
 
+    def _draining(self, draining: bool) -> None:
+        """The router says Serve is stopping this replica (or, rarely, kept it)."""
+        if draining and self._drain_task is None:
+            self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+        elif not draining and self._drain_task is not None and not self._handing_off:
+            self._drain_task.cancel()
+            self._drain_task = None
+            logger.info("replica %s serves again", self._engine.replica_id)
+
+    async def _drain(self) -> None:
+        """Lets the streams run for the drain timeout, then hands off the rest (the
+        ingress resumes each on another replica, its KV from the page store).
+        Serve's own drain then finds no request left and shuts the engine down."""
+        rid, engine = self._engine.replica_id, self._engine
+        logger.info(
+            "replica %s is stopping: %d streams have %.0f s to finish",
+            rid,
+            engine.running_requests(),
+            self._drain_timeout_s,
+        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._drain_timeout_s
+        while engine.running_requests() and loop.time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        self._handing_off = True
+        if handed := await engine.hand_off():
+            logger.warning(
+                "replica %s: drain timeout; handed off %d streams: %s",
+                rid,
+                len(handed),
+                ", ".join(handed),
+            )
+
     async def prefill(self, tokens: list[int], tenant: str = "") -> int:
         """Runs a prompt for one token (its pages are loaded or computed and
         saved); returns the tokens that came from cache."""
@@ -182,6 +227,8 @@ class EngineServer:
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
         from vllm.v1.engine.exceptions import EngineDeadError
 
+        if self._handing_off:  # a late arrival at a replica past its drain
+            raise HandedOff(f"replica {self._engine.replica_id} is stopping")
         try:
             async for event in self._engine.generate(request):
                 yield event
@@ -220,6 +267,7 @@ class EngineServer:
 
 EngineDeployment = serve.deployment(name="Engine")(EngineServer)
 EXIT_DELAY_S = 0.5
+DRAIN_POLL_S = 0.1
 
 
 def _span_attributes(node_id: str, group: GroupRank | None) -> dict[str, Any]:

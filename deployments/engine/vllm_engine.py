@@ -36,6 +36,7 @@ from deployments.protocol import (
     EngineRequest,
     EngineStats,
     Finish,
+    HandedOff,
     RequestRejected,
     Started,
 )
@@ -52,6 +53,7 @@ class _Running:
     request: EngineRequest
     output_tokens: int = 0
     first_token: bool = False
+    handed_off: bool = False
 
 
 class VLLMEngine:
@@ -158,7 +160,9 @@ class VLLMEngine:
             async for event in events:
                 yield event
         except BaseException as e:
-            if not isinstance(e, (GeneratorExit, asyncio.CancelledError)):
+            if isinstance(e, HandedOff):  # not a failure: it goes on elsewhere
+                span.add_event("handed_off")
+            elif not isinstance(e, (GeneratorExit, asyncio.CancelledError)):
                 tracing.fail(span, e)
             raise
         finally:
@@ -196,6 +200,8 @@ class VLLMEngine:
             )
             clock = asyncio.get_running_loop().time
             async for out in outputs:
+                if running.handed_off:
+                    raise HandedOff(f"replica {self.replica_id} is stopping")
                 seq = out.outputs[0]
                 completion += len(seq.token_ids)
                 running.output_tokens = completion
@@ -225,13 +231,30 @@ class VLLMEngine:
             raise _rejected(e) from None
         finally:
             self._running.pop(rid, None)
-            if not finished and not getattr(self._engine, "errored", False):
+            dead = getattr(self._engine, "errored", False)
+            if not finished and not running.handed_off and not dead:
                 # Consumer cancelled or closed the stream: free the engine slot
-                # (a dead engine has none, and its abort would only wait).
+                # (a dead engine has none, and its abort would only wait; a
+                # hand-off aborted it already).
                 await self._engine.abort(rid)
 
     async def abort(self, request_id: str) -> None:
         await self._engine.abort(request_id)
+
+    async def hand_off(self) -> list[str]:
+        """Ends every running stream with ``HandedOff`` (the replica is stopping):
+        each request is aborted in the engine, and its stream raises at the next
+        output (vLLM's abort delivers one). Returns their ids."""
+        handed = list(self._running)
+        for running in self._running.values():
+            running.handed_off = True
+        if handed:
+            await self._engine.abort(handed)
+        return handed
+
+    def running_requests(self) -> int:
+        """Streams open on this engine (a request between outputs included)."""
+        return len(self._running)
 
     async def prefill(
         self,

@@ -97,6 +97,16 @@ def leave(group: GroupRank) -> None:
         logger.debug("could not remove EP group %s's address", group.group_id)
 
 
+SHUTDOWN_MARGIN_S = 30.0  # a hand-off's resumption, then the engine's shutdown
+DRAIN_CHECK_S = 0.5  # how often Serve looks whether a stopping replica is idle
+
+
+def shutdown_timeout_s(config: ClusterConfig) -> float:
+    """How long Serve lets a stopping replica (engine or ingress) drain before it
+    kills it: the drain timeout and the margin after it."""
+    return config.deployment.drain_timeout_s + SHUTDOWN_MARGIN_S
+
+
 def engine_options(config: ClusterConfig, env: dict[str, str]) -> dict[str, Any]:
     """Serve options of the engine deployment: one replica per engine, or per rank
     of each EP group with the group gang-scheduled."""
@@ -116,6 +126,10 @@ def engine_options(config: ClusterConfig, env: dict[str, str]) -> dict[str, Any]
         "max_queued_requests": d.max_queued_requests,
         "health_check_period_s": d.health_check_period_s,
         "health_check_timeout_s": d.health_check_timeout_s,
+        # The replica's own drain (see EngineServer) ends within drain_timeout_s;
+        # Serve's force-kill comes after the engine's shutdown too.
+        "graceful_shutdown_timeout_s": shutdown_timeout_s(config),
+        "graceful_shutdown_wait_loop_s": DRAIN_CHECK_S,
         "ray_actor_options": actor,
     }
     if ep.enabled:

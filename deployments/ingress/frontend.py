@@ -40,6 +40,7 @@ from deployments.protocol import (
     EngineRequest,
     Finish,
     FinishReason,
+    HandedOff,
     RequestRejected,
     Started,
     TokenDelta,
@@ -169,6 +170,11 @@ _NOT_ENGINE_FAILURES = (
     TimeoutError,
     BackPressureError,
 )
+
+
+def _outcome_of(e: Exception) -> Outcome:
+    """How a stream that raised ``e`` on its replica ended, for the router."""
+    return Outcome.HANDED_OFF if isinstance(e, HandedOff) else Outcome.FAILED
 
 
 def _unresumable() -> EngineUnavailable:
@@ -394,11 +400,12 @@ class Frontend:
                         yield final("length")
                         break
                     migrations += 1
-                    self._settle(rid, Outcome.FAILED)  # it counts against the replica
+                    # A failure counts against the replica; a hand-off does not.
+                    self._settle(rid, _outcome_of(e))
                     _cancel(self._inflight.get(rid, _NOT_OPEN))
                     logger.warning(
-                        "request %s: replica %r failed after %d tokens (%r); "
-                        "resuming it elsewhere (migration %d of at most %d)",
+                        "request %s: replica %r failed or stopped after %d tokens "
+                        "(%r); resuming it elsewhere (migration %d of at most %d)",
                         rid,
                         replica,
                         len(sent),
@@ -567,7 +574,7 @@ class Frontend:
                 _cancel(stream)
                 if attempt == OPEN_ATTEMPTS or rid in self._aborted:
                     raise
-                self._settle(rid, Outcome.FAILED)
+                self._settle(rid, _outcome_of(e))
                 logger.warning(
                     "request %s: engine failed before output (%r); retrying", rid, e
                 )

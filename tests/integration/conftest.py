@@ -103,6 +103,8 @@ def app_settings(tiny_model: Path, **sections: dict[str, Any]) -> dict[str, Any]
             "num_cpus": 1,
             "health_check_period_s": 2,
             "max_ongoing_requests": 8,
+            # A stopped replica's streams run this long, then move (test_drain).
+            "drain_timeout_s": 4,
         },
         "router": {
             # 2 replicas x 6 running; small queues, so the overload test

@@ -61,6 +61,12 @@ class FakeAsyncLLM:
                     raise self.failure
                 if i == 1 and self.hold is not None:
                     await self.hold.wait()
+                if request_id in self.aborted:  # vLLM delivers a last output
+                    seq = SimpleNamespace(token_ids=[], text="", finish_reason="abort")
+                    yield SimpleNamespace(
+                        outputs=[seq], finished=True, num_cached_tokens=0
+                    )
+                    return
                 seq = SimpleNamespace(
                     token_ids=step.tokens, text=step.text, finish_reason=step.finish
                 )
@@ -72,8 +78,11 @@ class FakeAsyncLLM:
         finally:
             self.unfinished -= 1
 
-    async def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
+    async def abort(self, request_id: str | list[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else request_id
+        self.aborted.extend(ids)
+        if self.hold is not None:  # a held stream gets its abort output
+            self.hold.set()
 
     def get_num_unfinished_requests(self) -> int:
         return self.unfinished

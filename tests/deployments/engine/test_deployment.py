@@ -10,7 +10,7 @@ import pytest
 from cluster.config import ClusterConfig
 from deployments.engine.deployment import EXIT_DELAY_S, EngineServer, Placement
 from deployments.engine.vllm_engine import VLLMEngine
-from deployments.protocol import EngineRequest, Sampling, Started
+from deployments.protocol import EngineRequest, Finish, HandedOff, Sampling, Started
 from tests.deployments.engine.fakes import FakeAsyncLLM, Step
 
 HERE = Placement("replica-a", "node-1")
@@ -102,3 +102,66 @@ async def test_an_ep_config_outside_a_gang_is_refused_before_the_engine_starts()
     with pytest.raises(RuntimeError, match="gang-scheduled"):
         await start(cfg, FakeAsyncLLM())
     assert ScriptedEngine.started == []
+
+
+async def _events(server: EngineServer, rid: str, into: list[Any]) -> None:
+    req = EngineRequest(rid, (1, 2, 3), Sampling(max_tokens=3))
+    async for event in server.generate(req):
+        into.append(event)
+
+
+async def test_a_stopping_replica_hands_off_what_outlives_its_drain_timeout() -> None:
+    hold = asyncio.Event()
+    steps = [Step([1], "a"), Step([2], "b"), Step([3], "c", finish="length")]
+    llm = FakeAsyncLLM(steps, hold=hold)
+    server = await start(config(deployment={"drain_timeout_s": 0.3}), llm)
+    seen: list[Any] = []
+    stream = asyncio.create_task(_events(server, "r1", seen))
+    while len(seen) < 2:  # Started, then its first token; then it waits
+        await asyncio.sleep(0.01)
+    server._draining(True)  # the router's answer: Serve is stopping this replica
+    await asyncio.sleep(0.2)
+    assert not stream.done() and llm.aborted == []  # it may still finish
+    with pytest.raises(HandedOff):
+        await asyncio.wait_for(stream, 2)
+    assert isinstance(seen[0], Started)
+    assert [e.token_ids for e in seen[1:]] == [(1,)]  # nothing after the hand-off
+    assert llm.aborted == ["r1"]  # its engine slot is freed
+    # A request that still reaches it is handed off before it starts.
+    with pytest.raises(HandedOff):
+        await _events(server, "late", [])
+    assert [c[2] for c in llm.calls if len(c) == 4] == ["r1"]
+    server.__del__()
+
+
+async def test_streams_that_finish_within_the_drain_timeout_are_not_handed_off() -> (
+    None
+):
+    hold = asyncio.Event()
+    steps = [Step([1], "a"), Step([2], "b", finish="length")]
+    llm = FakeAsyncLLM(steps, hold=hold)
+    server = await start(config(deployment={"drain_timeout_s": 5}), llm)
+    seen: list[Any] = []
+    stream = asyncio.create_task(_events(server, "r1", seen))
+    while len(seen) < 2:
+        await asyncio.sleep(0.01)
+    server._draining(True)
+    await asyncio.sleep(0.05)
+    hold.set()  # it runs to its end
+    await asyncio.wait_for(stream, 2)
+    assert isinstance(seen[-1], Finish) and seen[-1].reason == "length"
+    await asyncio.sleep(0.2)  # the drain saw it idle and handed off nothing
+    assert server._drain_task is not None and server._drain_task.done()
+    assert llm.aborted == []
+    server.__del__()
+
+
+async def test_a_replica_serve_keeps_after_all_stops_draining() -> None:
+    server = await start(config(deployment={"drain_timeout_s": 5}), FakeAsyncLLM())
+    server._draining(True)
+    task = server._drain_task
+    server._draining(False)
+    await asyncio.sleep(0)
+    assert task is not None and task.cancelled() and server._drain_task is None
+    assert [e async for e in server.generate(EngineRequest("r", (1,), Sampling(1)))]
+    server.__del__()

@@ -1,0 +1,172 @@
+"""Scaling the engines down while streams run: the replica Serve stops takes no new
+work, its streams run for the drain timeout and are then handed off, each resumed
+on the other replica with exactly the tokens of an uninterrupted run; none fails
+and no breaker opens. Scaling back up adds a replica that warms from the page store
+before the router feeds it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import grpc
+
+from cluster.config import ClusterConfig
+from deployments.proto import inference_pb2 as pb
+from tests.integration.conftest import Served, engine_stats, wait_until
+from tests.integration.test_kvstore import BLOCK
+from tests.integration.test_router import router_snapshot
+
+RUN_LAST = True  # scales the session's engines down and back up
+STREAMS = 6  # least-loaded placement puts 3 on each replica
+MAX_TOKENS = 640
+# Scaled down once every stream has two full blocks (saved to the page store).
+SCALE_AFTER = 2 * BLOCK + 8
+
+
+def scaled(config: ClusterConfig, replicas: int) -> ClusterConfig:
+    d = config.deployment.model_copy(update={"num_replicas": replicas})
+    return config.model_copy(update={"deployment": d})
+
+
+def redeploy(config: ClusterConfig) -> None:
+    """What an operator does to scale: the same app, another replica count."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    serve.run(build_app(config), name=config.server.app_name, route_prefix="/")
+
+
+def test_a_replica_scaled_away_drains_and_hands_its_streams_off(
+    served: Served, engine_handle: Any
+) -> None:
+    drain_s = served.config.deployment.drain_timeout_s
+    outcomes: dict[str, dict[str, Any]] = {}
+    started = threading.Semaphore(0)
+
+    def stream(rid: str) -> None:
+        request = pb.GenerateRequest(
+            request_id=rid,
+            token_ids=pb.TokenIds(ids=[411, 466, 15]),
+            sampling=pb.SamplingParams(
+                max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True
+            ),
+        )
+        out = outcomes.setdefault(rid, {"tokens": [], "text": [], "at": []})
+        told = False
+        try:
+            for msg in served.client().generate(request, timeout=180):
+                if msg.HasField("chunk"):
+                    out["tokens"] += msg.chunk.token_ids
+                    out["text"].append(msg.chunk.text)
+                    out["at"].append(time.monotonic())
+                    if not told and len(out["tokens"]) >= SCALE_AFTER:
+                        told = True
+                        started.release()
+                elif msg.HasField("finished"):
+                    out["finished"] = msg.finished
+        except grpc.RpcError as e:
+            out["code"], out["details"] = e.code(), e.details()
+        if not told:
+            started.release()
+
+    before = wait_until(
+        lambda: s if len(s := engine_stats(engine_handle)) == 2 else None,
+        60,
+        "both replicas",
+    )
+    rids = [f"drained-{i}" for i in range(STREAMS)]
+    readers = [threading.Thread(target=stream, args=(r,), daemon=True) for r in rids]
+    for t in readers:
+        t.start()
+    for _ in rids:
+        assert started.acquire(timeout=90)
+    on = {
+        rid: s.replica_id
+        for s in engine_stats(engine_handle).values()
+        for rid in s.request_ids
+        if rid in rids
+    }
+    assert len(on) == STREAMS, on
+
+    scaling = threading.Thread(
+        target=redeploy, args=(scaled(served.config, 1),), daemon=True
+    )
+    scaled_at = time.monotonic()
+    scaling.start()
+
+    def stopping() -> str | None:
+        draining = [
+            r for r, s in router_snapshot(served).replicas.items() if s.draining
+        ]
+        return draining[0] if draining else None
+
+    victim = wait_until(stopping, 30, "the router to see a replica stopping")
+    told_at = time.monotonic()
+    # While it drains, new work goes to the other replica only.
+    short = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=[5, 6]), sampling=pb.SamplingParams(max_tokens=4)
+    )
+    for _ in range(4):
+        msgs = list(served.client().generate(short, timeout=60))
+        assert msgs[-1].finished.completion_tokens == 4
+        assert msgs[-1].finished.replica_id != victim
+
+    for t in readers:
+        t.join(180)
+        assert not t.is_alive(), "a stream hung while its replica drained"
+    scaling.join(120)
+    assert not scaling.is_alive()
+    # None failed; each has the tokens of an uninterrupted run.
+    assert all("code" not in o for o in outcomes.values()), outcomes
+    on_victim = [r for r in rids if on[r] == victim]
+    assert len(on_victim) == STREAMS // 2, on
+    reference = outcomes[next(r for r in rids if r not in on_victim)]
+    assert len(reference["tokens"]) == MAX_TOKENS
+    for rid in rids:
+        out, finished = outcomes[rid], outcomes[rid]["finished"]
+        assert out["tokens"] == reference["tokens"], rid  # no gap, no duplicate
+        assert "".join(out["text"]) == "".join(reference["text"]), rid
+        assert finished.completion_tokens == MAX_TOKENS
+        if rid not in on_victim:
+            assert finished.migrations == 0, rid
+            continue
+        # It ran on for the drain timeout, then went on on the other replica
+        # from the blocks the stopped engine saved.
+        assert finished.migrations == 1, rid
+        assert finished.replica_id != victim
+        assert finished.cached_tokens >= 2 * BLOCK, (rid, finished)
+        gaps = [b - a for a, b in zip(out["at"], out["at"][1:], strict=False)]
+        seam = out["at"][gaps.index(max(gaps)) + 1]
+        assert seam - told_at >= drain_s - 1.0, (rid, seam - told_at)
+    print(
+        f"scaled down: router told {told_at - scaled_at:.2f} s after the redeploy; "
+        f"{len(on_victim)} streams handed off after the {drain_s:.0f} s drain"
+    )
+    # A hand-off is not a failure: the stopped replica's breaker never opened.
+    assert not [
+        t
+        for t in router_snapshot(served).transitions
+        if t.key == victim and t.new == "open"
+    ]
+    wait_until(
+        lambda: list(engine_stats(engine_handle)) == [r for r in before if r != victim],
+        60,
+        "Serve to stop the drained replica",
+    )
+
+    # Scaled back up: the new replica warms from the page store first, and the
+    # router feeds it once it reports.
+    redeploy(served.config)
+
+    def two_serving() -> dict[str, Any] | None:
+        replicas = router_snapshot(served).replicas
+        ok = len(replicas) == 2 and not any(s.draining for s in replicas.values())
+        return replicas if ok else None
+
+    replicas = wait_until(two_serving, 180, "the router to route to 2 replicas")
+    (new,) = set(replicas) - set(before)
+    stats = engine_stats(engine_handle)[new]
+    assert stats.warmed_prefixes >= 1 and stats.warmed_cached_tokens >= BLOCK
