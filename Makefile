@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= cluster/configs/tiny-cpu.yaml
 MODEL  := .models/tiny-deepseek-v2
 
-.PHONY: install serve test test-cpu-mla lint unit model proto clean fuzz chaos bench-peers bench-qos bench-kv bench-ep bench-tracing
+.PHONY: install serve test test-cpu-mla lint unit model proto clean fuzz chaos bench-peers bench-qos bench-kv bench-ep bench-tracing bench-overload bench-resume
 
 install: $(STAMP)
 
@@ -70,6 +70,17 @@ bench-peers: install
 bench-qos: model
 	$(BIN)/python -m tests.perf.qos_flood
 	$(BIN)/python -m tests.perf.router_decisions
+
+# 3x the cluster's capacity for 60 s: ingress, router and proxy memory, queue
+# depths against their limits, realtime TTFT, retry hints (~3 min; writes
+# tests/perf/results/overload.{json,md}).
+bench-overload: model
+	$(BIN)/python -m tests.perf.overload
+
+# A stream handed off by a scale-down: the resumed request's TTFT with the page
+# store and without it (~4 min; writes tests/perf/results/resume.{json,md}).
+bench-resume: model
+	$(BIN)/python -m tests.perf.resume
 
 # Page store: page load bandwidth against memcpy; 512-token prefix TTFT on a second
 # replica with and without the store; a new replica's first TTFT with and without

@@ -10,6 +10,7 @@ system gets the same engine settings and one CPU core per replica.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -97,7 +98,9 @@ def serve_ray_serve_llm(port: int, replicas: int, prefix_router: bool) -> None:
     serve.run(app, name="rsllm", route_prefix="/")
 
 
-def serve_moe_cluster(port: int, replicas: int, router: bool = True) -> None:
+def serve_moe_cluster(
+    port: int, replicas: int, router: bool = True, router_settings: str = "{}"
+) -> None:
     import ray
 
     from cluster.config import ClusterConfig
@@ -110,7 +113,7 @@ def serve_moe_cluster(port: int, replicas: int, router: bool = True) -> None:
                 "engine": ENGINE | {"omp_num_threads": 1},
                 "deployment": {"num_replicas": replicas, "num_cpus": 1},
                 "server": {"http_port": port, "grpc_port": port + 1},
-                "router": {"enabled": router},
+                "router": {"enabled": router} | json.loads(router_settings),
             }
         )
     )
@@ -127,6 +130,9 @@ def main() -> None:
     p.add_argument(
         "--no-router", action="store_true", help="moe-cluster: Serve's own routing"
     )
+    p.add_argument(
+        "--router-json", default="{}", help="moe-cluster: router settings (JSON)"
+    )
     args = p.parse_args()
     os.environ.update(ENV)
     if not (MODEL_DIR / "config.json").exists():
@@ -134,7 +140,9 @@ def main() -> None:
     if args.system == "ray-serve-llm":
         serve_ray_serve_llm(args.port, args.replicas, args.prefix_router)
     else:
-        serve_moe_cluster(args.port, args.replicas, router=not args.no_router)
+        serve_moe_cluster(
+            args.port, args.replicas, not args.no_router, args.router_json
+        )
     print("READY", flush=True)
     wait_for_stop_signal()
     from ray import serve

@@ -1,0 +1,237 @@
+"""Three times the cluster's capacity for a minute: memory, queues, realtime, refusals.
+
+    make bench-overload     # or: .venv/bin/python -m tests.perf.overload [--factor 3]
+
+Two engine replicas (one core each) on the tiny model, the router's class queues
+bounded (realtime 16, normal 32, background 64). Capacity is the mixed workload's
+closed-loop request rate at 32 streams. Then, open loop for ``--duration``
+seconds, ``--factor`` times that rate: realtime 20% (TTFT deadline 1 s, its SLO),
+normal 30%, background 50%; 64-128 prompt and 32-64 output tokens, over gRPC.
+
+Every second it samples the resident memory (RSS) of the ingress replica, the
+router actor and Serve's proxy, and the router's queue depths. It reports:
+
+- RSS of each before, at its highest and after; the growth under load;
+- the deepest each class queue got, against its limit;
+- realtime TTFT p50/p99 of the requests served, against the 1 s SLO;
+- what was refused, by status, and how many refusals lacked a retry hint (goal 0);
+- every request answered (no client time-out).
+
+Writes ``tests/perf/results/overload.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import psutil
+
+from deployments.bench.backends import Chunk, Done, GrpcBackend, RequestFailed
+from deployments.bench.report import Slo
+from deployments.bench.workload import ClassSpec, LengthRange, RequestSpec, Workload
+from tests.perf.compare_peers import PORT, RESULTS, Peer, Server, _module, drive
+
+TARGET = f"127.0.0.1:{PORT + 1}"
+SLO = Slo(ttft_ms=1000)
+QUEUES = {"realtime": 16, "normal": 32, "background": 64}
+SHAPE = {"input_len": LengthRange(64, 128), "output_len": LengthRange(32, 64)}
+SHARES = {"realtime": 0.2, "normal": 0.3, "background": 0.5}
+COMPONENTS = {  # what each process's command line says it is
+    "ingress": ":Ingress",
+    "router": "DeepSeekRouter",
+    "proxy": "ProxyActor",
+}
+MODE = Peer(
+    "moe",
+    "moe-cluster",
+    _module("moe-cluster", "--router-json", json.dumps({"max_queued": QUEUES})),
+    (),
+)
+
+
+class HintCheckingBackend(GrpcBackend):
+    """gRPC, counting refusals and those that came without a retry hint."""
+
+    def __init__(self, target: str) -> None:
+        super().__init__(target, timeout_s=120)
+        self.refused: dict[str, int] = {}
+        self.without_hint: list[str] = []
+
+    async def stream(self, spec: RequestSpec) -> AsyncIterator[Chunk | Done]:
+        try:
+            async for event in super().stream(spec):
+                yield event
+        except RequestFailed as e:
+            self.refused[e.code] = self.refused.get(e.code, 0) + 1
+            if e.code == "RESOURCE_EXHAUSTED" and "retry after" not in str(e):
+                self.without_hint.append(str(e))
+            raise
+
+
+def _workload(rate: float | None, seed: int) -> Workload:
+    classes = tuple(
+        ClassSpec(
+            qos,
+            share=share,
+            rate=None if rate is None else rate * share,
+            deadline_ms=1000 if qos == "realtime" else 0,
+            **SHAPE,
+        )
+        for qos, share in SHARES.items()
+    )
+    return Workload(classes, seed=seed)
+
+
+class Sampler:
+    """Samples RSS per component and the router's queue depths every second."""
+
+    def __init__(self) -> None:
+        import ray
+
+        from router import actor as router_actor
+
+        ray.init(address="auto", namespace="overload-bench", logging_level="ERROR")
+        self._router = ray.get_actor(
+            router_actor.actor_name("moe-cluster"), namespace=router_actor.NAMESPACE
+        )
+        self.procs = _components()
+        self.rss: dict[str, list[float]] = {c: [] for c in COMPONENTS}
+        self.queued: dict[str, list[int]] = {q: [] for q in QUEUES}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> dict[str, float]:
+        return {c: p.memory_info().rss / 2**20 for c, p in self.procs.items()}
+
+    def _run(self) -> None:
+        import ray
+
+        while not self._stop.wait(1.0):
+            for c, mib in self.sample().items():
+                self.rss[c].append(mib)
+            snap = ray.get(self._router.snapshot.remote(), timeout=30)
+            for q in QUEUES:
+                self.queued[q].append(snap.queued[q])
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _components() -> dict[str, psutil.Process]:
+    found: dict[str, psutil.Process] = {}
+    for p in psutil.process_iter(["cmdline"]):
+        line = " ".join(p.info["cmdline"] or ())
+        for name, marker in COMPONENTS.items():
+            if marker in line and line.startswith("ray::"):
+                found[name] = p
+    missing = set(COMPONENTS) - set(found)
+    if missing:
+        raise RuntimeError(f"no process found for {sorted(missing)}")
+    return found
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--factor", type=float, default=3.0)
+    p.add_argument("--duration", type=float, default=60.0)
+    p.add_argument("--capacity", type=float, default=None, help="req/s; skip measuring")
+    args = p.parse_args()
+    logs = RESULTS / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    server = Server(MODE, 2, logs / "overload.log")
+    try:
+        capacity = args.capacity
+        if capacity is None:
+            w = _workload(None, seed=11)
+            closed = asyncio.run(
+                drive(GrpcBackend(TARGET), w, SLO, concurrency=32, n=128, warmup=8)
+            )
+            capacity = float(closed["all"]["request_rate"])
+        print(f"capacity {capacity:.2f} req/s", flush=True)
+        sampler = Sampler()
+        before = sampler.sample()
+        backend = HintCheckingBackend(TARGET)
+        offered = _workload(args.factor * capacity, seed=12)
+        started = time.monotonic()
+        with sampler:
+            summary = asyncio.run(
+                drive(backend, offered, SLO, duration_s=args.duration)
+            )
+        took = time.monotonic() - started
+        time.sleep(5)  # queues drained, garbage collected
+        after = sampler.sample()
+    finally:
+        server.stop()
+    out = {
+        "capacity_req_s": capacity,
+        "factor": args.factor,
+        "duration_s": args.duration,
+        "run_s": took,
+        "queue_limits": QUEUES,
+        "max_queued": {q: max(v, default=0) for q, v in sampler.queued.items()},
+        "rss_mib": {
+            c: {
+                "before": before[c],
+                "max": max(sampler.rss[c], default=before[c]),
+                "after": after[c],
+            }
+            for c in COMPONENTS
+        },
+        "refused": backend.refused,
+        "refused_without_hint": backend.without_hint[:10],
+        "summary": summary,
+    }
+    (RESULTS / "overload.json").write_text(json.dumps(out, indent=1))
+    (RESULTS / "overload.md").write_text(table(out) + "\n")
+    print(table(out))
+
+
+def table(out: dict[str, Any]) -> str:
+    s = out["summary"]
+    rows = [
+        f"Offered {out['factor']:g} x {out['capacity_req_s']:.2f} req/s (the mixed "
+        f"workload's measured capacity) for {out['duration_s']:.0f} s; the run "
+        f"took {out['run_s']:.0f} s until the last answer.",
+        "",
+        "| class | offered | served | refused | queue max / limit "
+        "| TTFT p50 / p99 (ms) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for q in QUEUES:
+        c = s.get(q)
+        if c is None:
+            continue
+        t = c["ttft_ms"]
+        rows.append(
+            f"| {q} | {c['requests']} | {c['completed']} | "
+            f"{c['requests'] - c['completed']} | {out['max_queued'][q]} / "
+            f"{out['queue_limits'][q]} | {t['p50']:.0f} / {t['p99']:.0f} |"
+        )
+    rows += ["", "| process | RSS before (MiB) | max under load | after | growth |"]
+    rows.append("|---|---|---|---|---|")
+    for c, r in out["rss_mib"].items():
+        rows.append(
+            f"| {c} | {r['before']:.0f} | {r['max']:.0f} | {r['after']:.0f} | "
+            f"{r['max'] - r['before']:+.0f} |"
+        )
+    refused = ", ".join(f"{k} x{v}" for k, v in out["refused"].items()) or "none"
+    rows.append(
+        f"\nRefused: {refused}; without a retry hint: "
+        f"{len(out['refused_without_hint'])}."
+    )
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    main()
