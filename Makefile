@@ -48,7 +48,8 @@ fuzz: lint
 	MOE_CLUSTER_FUZZ_CASES=10000 MOE_CLUSTER_FUZZ_SEED=$(FUZZ_SEED) \
 	    $(BIN)/pytest -s tests/integration/test_fuzz.py
 
-# Each component killed in turn under load, a table of what clients saw (~6 min;
+# Each component killed in turn under load, then a whole worker node of a 2-node
+# cluster: a table of what clients saw (~10 min;
 # writes tests/perf/results/chaos.md).
 chaos: lint
 	$(BIN)/pytest -m chaos -s tests/integration/test_chaos.py

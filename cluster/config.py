@@ -6,11 +6,9 @@ Unknown keys are errors at every level, so a typo fails at load, not at 3 a.m.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import yaml
 from pydantic import (
@@ -664,22 +662,6 @@ class ClusterConfig(_Strict):
                 "engine": engine,
             }
         )
-
-    def version(self) -> str:
-        """The deployments' Serve version: a digest of everything but the replica
-        count (secrets included, so a rotated key rolls the ingress). A redeploy
-        that changes only ``deployment.num_replicas`` scales without restarting a
-        replica; any other change replaces them, each old one draining."""
-        scaled = self.deployment.model_copy(update={"num_replicas": 1})
-        data = self.model_copy(update={"deployment": scaled}).model_dump()
-        text = json.dumps(data, sort_keys=True, default=_reveal)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _reveal(value: Any) -> Any:
-    if isinstance(value, SecretStr):
-        return value.get_secret_value()
-    return str(value)
 
 
 def load_config(path: str | Path) -> ClusterConfig:

@@ -41,13 +41,8 @@ def build_app(config: ClusterConfig) -> Application:
         routing["request_router_config"] = RequestRouterConfig(
             request_router_class=PinnedRequestRouter
         )
-    # One version for both: a redeploy that only changes the replica count scales
-    # the engines without restarting any replica (see ClusterConfig.version).
-    version = config.version()
     engine = EngineDeployment.options(
-        **routing,
-        **engine_options(config, engine_env(config.engine)),
-        version=version,
+        **routing, **engine_options(config, engine_env(config.engine))
     ).bind(config)
     # The ingress only parses and relays: it takes no CPU from the engines.
     # The ingress holds the client streams: stopped, it waits for them as long
@@ -57,7 +52,6 @@ def build_app(config: ClusterConfig) -> Application:
         ray_actor_options={"num_cpus": 0},
         graceful_shutdown_timeout_s=shutdown_timeout_s(config),
         graceful_shutdown_wait_loop_s=DRAIN_CHECK_S,
-        version=version,
     ).bind(config, engine)
 
 
@@ -67,12 +61,19 @@ def app_builder(args: dict[str, Any]) -> Application:
     return build_app(prepare_model(ClusterConfig.model_validate(args)))
 
 
-def deploy(config: ClusterConfig) -> None:
+def deploy(config: ClusterConfig, *, external_scaler: bool = False) -> None:
     """Starts Serve's proxies and runs the app on the connected Ray cluster;
-    returns once every replica is ready."""
+    returns once every replica is ready. ``external_scaler``: the engines' replica
+    count is set from outside (Serve's ``update_deployment_replicas``), which
+    scales without redeploying; Serve's own autoscaling is then off for the app."""
     http, grpc_options = proxy_options(config)
     serve.start(http_options=http, grpc_options=grpc_options)
-    serve.run(build_app(config), name=config.server.app_name, route_prefix="/")
+    serve.run(
+        build_app(config),
+        name=config.server.app_name,
+        route_prefix="/",
+        external_scaler_enabled=external_scaler,
+    )
 
 
 def proxy_options(config: ClusterConfig) -> tuple[HTTPOptions, gRPCOptions]:

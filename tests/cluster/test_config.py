@@ -101,15 +101,3 @@ def test_router_needs_serve_room_for_its_slots() -> None:
         ClusterConfig.model_validate(
             {"router": {"class_weights": {"realtime": 1, "normal": 1, "background": 0}}}
         )
-
-
-def test_the_version_ignores_the_replica_count_only() -> None:
-    def version(**sections: dict[str, object]) -> str:
-        base: dict[str, object] = {"server": {"api_keys": ["k1"]}}
-        return ClusterConfig.model_validate(base | sections).version()
-
-    same = version()
-    assert version(deployment={"num_replicas": 7}) == same  # scaling: no restart
-    assert version(deployment={"drain_timeout_s": 5}) != same
-    assert version(server={"api_keys": ["k2"]}) != same  # a rotated key rolls
-    assert version(router={"policy": "prefix"}) != same

@@ -171,7 +171,8 @@ def served(tiny_model: Path) -> Iterator[Served]:
     # Started after Ray: a gRPC server started before ray.init kept Ray's
     # dashboard from starting.
     receiver = OTLPReceiver(receiver_port).start()
-    deploy(config)
+    # Scaled from outside by test_drain.py, as an external autoscaler does.
+    deploy(config, external_scaler=True)
     # Every test below runs on the backend the header names: the engines say so.
     handle = serve.get_deployment_handle("Engine", config.server.app_name)
     for stats in engine_stats(handle).values():

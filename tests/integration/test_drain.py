@@ -2,7 +2,9 @@
 work, its streams run for the drain timeout and are then handed off, each resumed
 on the other replica with exactly the tokens of an uninterrupted run; none fails
 and no breaker opens. Scaling back up adds a replica that warms from the page store
-before the router feeds it."""
+before the router feeds it. The session's app takes its replica count from an
+external scaler (Serve's ``update_deployment_replicas``), which changes the count
+without redeploying, as Serve's autoscaler does."""
 
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ from typing import Any
 
 import grpc
 
-from cluster.config import ClusterConfig
 from deployments.proto import inference_pb2 as pb
 from tests.integration.conftest import Served, engine_stats, wait_until
 from tests.integration.test_kvstore import BLOCK
@@ -25,18 +26,15 @@ MAX_TOKENS = 640
 SCALE_AFTER = 2 * BLOCK + 8
 
 
-def scaled(config: ClusterConfig, replicas: int) -> ClusterConfig:
-    d = config.deployment.model_copy(update={"num_replicas": replicas})
-    return config.model_copy(update={"deployment": d})
+def scale(served: Served, replicas: int) -> None:
+    """Sets the engines' replica count, as an external autoscaler does."""
+    import ray
+    from ray.serve._private.common import DeploymentID
+    from ray.serve.context import _get_global_client
 
-
-def redeploy(config: ClusterConfig) -> None:
-    """What an operator does to scale: the same app, another replica count."""
-    from ray import serve
-
-    from deployments.app import build_app
-
-    serve.run(build_app(config), name=config.server.app_name, route_prefix="/")
+    engines = DeploymentID(name="Engine", app_name=served.config.server.app_name)
+    controller = _get_global_client()._controller
+    ray.get(controller.update_deployment_replicas.remote(engines, replicas))
 
 
 def test_a_replica_scaled_away_drains_and_hands_its_streams_off(
@@ -91,11 +89,8 @@ def test_a_replica_scaled_away_drains_and_hands_its_streams_off(
     }
     assert len(on) == STREAMS, on
 
-    scaling = threading.Thread(
-        target=redeploy, args=(scaled(served.config, 1),), daemon=True
-    )
     scaled_at = time.monotonic()
-    scaling.start()
+    scale(served, 1)
 
     def stopping() -> str | None:
         draining = [
@@ -117,8 +112,6 @@ def test_a_replica_scaled_away_drains_and_hands_its_streams_off(
     for t in readers:
         t.join(180)
         assert not t.is_alive(), "a stream hung while its replica drained"
-    scaling.join(120)
-    assert not scaling.is_alive()
     # None failed; each has the tokens of an uninterrupted run.
     assert all("code" not in o for o in outcomes.values()), outcomes
     on_victim = [r for r in rids if on[r] == victim]
@@ -142,7 +135,7 @@ def test_a_replica_scaled_away_drains_and_hands_its_streams_off(
         seam = out["at"][gaps.index(max(gaps)) + 1]
         assert seam - told_at >= drain_s - 1.0, (rid, seam - told_at)
     print(
-        f"scaled down: router told {told_at - scaled_at:.2f} s after the redeploy; "
+        f"scaled down: router told {told_at - scaled_at:.2f} s after the scale call; "
         f"{len(on_victim)} streams handed off after the {drain_s:.0f} s drain"
     )
     # A hand-off is not a failure: the stopped replica's breaker never opened.
@@ -159,7 +152,7 @@ def test_a_replica_scaled_away_drains_and_hands_its_streams_off(
 
     # Scaled back up: the new replica warms from the page store first, and the
     # router feeds it once it reports.
-    redeploy(served.config)
+    scale(served, 2)
 
     def two_serving() -> dict[str, Any] | None:
         replicas = router_snapshot(served).replicas

@@ -1,0 +1,122 @@
+"""A whole worker node lost under steady greedy load, on a 2-node Ray cluster
+started in-process.
+
+    .venv/bin/python -m tests.chaos.worker_node MODEL_DIR OUT   # pickles a Row to OUT
+
+Each node has one CPU, so the app's two engine replicas (one CPU each) run one per
+node; the proxy and the ingress run on the head. Six closed-loop greedy gRPC streams
+(the chaos suite's load) run for 3 s; then the worker node is removed without
+warning: its raylet, its engine replica and that engine's vLLM processes, its page
+store. The row counts what the clients saw, as the suite's other rows do: the streams
+on the lost node's engine resume on the head's from the tokens sent (recomputed: the
+node's page store went with it).
+
+Run in its own process by ``tests/integration/test_chaos.py`` (a process joins one
+Ray cluster).
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from typing import Any
+
+import ray
+from ray import serve
+from ray.cluster_utils import Cluster
+
+from cluster.config import ClusterConfig
+from deployments.app import GRPC_SERVICERS, build_app, prepare_model
+from deployments.ingress.client import InferenceClient
+from kvstore import actor as kv_actor
+from router import actor as router_actor
+from tests.chaos import load
+from tests.integration.conftest import ENGINE, engine_stats, free_port
+from tests.waiting import wait_until
+
+APP = "chaos-two-nodes"
+
+
+def config(model: str, http_port: int, grpc_port: int) -> ClusterConfig:
+    return prepare_model(
+        ClusterConfig.model_validate(
+            {
+                "model": {"path": model},
+                "engine": ENGINE,
+                "deployment": {
+                    "num_replicas": 2,
+                    "num_cpus": 1,
+                    "health_check_period_s": 2,
+                    "max_ongoing_requests": 16,
+                },
+                "router": {
+                    "max_running_per_replica": 8,
+                    "realtime_reserved_slots": 2,
+                    "replica_stale_s": 2,
+                    "report_interval_s": 0.25,
+                },
+                "kvstore": {"capacity_bytes": 64 << 20, "sync_interval_s": 0.25},
+                "server": {
+                    "http_port": http_port,
+                    "grpc_port": grpc_port,
+                    "app_name": APP,
+                },
+            }
+        )
+    )
+
+
+def main(model: str, out_path: str) -> None:
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    worker = cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address)
+    cluster.wait_for_nodes()
+    http_port, grpc_port = free_port(), free_port()
+    cfg = config(model, http_port, grpc_port)
+    from ray.serve.config import HTTPOptions, gRPCOptions
+
+    serve.start(
+        proxy_location="HeadOnly",
+        http_options=HTTPOptions(host="127.0.0.1", port=http_port),
+        grpc_options=gRPCOptions(
+            port=grpc_port, grpc_servicer_functions=GRPC_SERVICERS
+        ),
+    )
+    serve.run(build_app(cfg), name=APP, route_prefix="/")
+    handle = serve.get_deployment_handle("Engine", app_name=APP)
+    replicas = wait_until(
+        lambda: s if len(s := engine_stats(handle)) == 2 else None, 120, "2 replicas"
+    )
+    nodes = {s.node_id for s in replicas.values()}
+    assert len(nodes) == 2, "one engine replica per node"
+    wait_until(
+        lambda: len(_router(APP).replicas) == 2, 60, "the router to see 2 replicas"
+    )
+
+    def connect() -> InferenceClient:
+        return InferenceClient(f"127.0.0.1:{grpc_port}", "", APP)
+
+    row = load.kill_under_load(
+        "whole worker node (2-node cluster)",
+        connect,
+        load.reference(connect),
+        lambda: cluster.remove_node(worker, allow_graceful=False),
+    )
+    print(f"row {row!r}", flush=True)
+    with open(out_path, "wb") as f:
+        pickle.dump(row, f)
+    serve.shutdown()
+    router_actor.kill(APP)
+    kv_actor.kill(APP)
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def _router(app: str) -> Any:
+    name = router_actor.actor_name(app)
+    handle = ray.get_actor(name, namespace=router_actor.NAMESPACE)
+    return ray.get(handle.snapshot.remote(), timeout=30)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
