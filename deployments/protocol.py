@@ -79,10 +79,17 @@ class RequestRejected(Exception):
         return (RequestRejected, (str(self), self.parameter))
 
 
+@dataclass(frozen=True, slots=True)
+class HandOff:
+    """Last event of a stream its replica handed off: Serve is stopping the
+    replica and its drain timeout ran out before the stream finished. The ingress
+    resumes the request on another replica from the tokens already sent."""
+
+    replica_id: str
+
+
 class HandedOff(Exception):
-    """The replica is being stopped and its drain timeout ran out before this
-    stream finished: the stream stops here, and the ingress resumes it on another
-    replica from the tokens already sent. Not the replica's failure."""
+    """Raised in the ingress for a ``HandOff``: not the replica's failure."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,4 +120,4 @@ class Pin:
     replica_id: str
 
 
-EngineEvent = Started | TokenDelta | Finish
+EngineEvent = Started | TokenDelta | Finish | HandOff

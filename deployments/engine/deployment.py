@@ -33,7 +33,7 @@ from deployments.protocol import (
     EngineEvent,
     EngineRequest,
     EngineStats,
-    HandedOff,
+    HandOff,
     Pin,
 )
 
@@ -228,7 +228,8 @@ class EngineServer:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         if self._handing_off:  # a late arrival at a replica past its drain
-            raise HandedOff(f"replica {self._engine.replica_id} is stopping")
+            yield HandOff(self._engine.replica_id)
+            return
         try:
             async for event in self._engine.generate(request):
                 yield event

@@ -36,7 +36,7 @@ from deployments.protocol import (
     EngineRequest,
     EngineStats,
     Finish,
-    HandedOff,
+    HandOff,
     RequestRejected,
     Started,
 )
@@ -160,9 +160,7 @@ class VLLMEngine:
             async for event in events:
                 yield event
         except BaseException as e:
-            if isinstance(e, HandedOff):  # not a failure: it goes on elsewhere
-                span.add_event("handed_off")
-            elif not isinstance(e, (GeneratorExit, asyncio.CancelledError)):
+            if not isinstance(e, (GeneratorExit, asyncio.CancelledError)):
                 tracing.fail(span, e)
             raise
         finally:
@@ -200,8 +198,11 @@ class VLLMEngine:
             )
             clock = asyncio.get_running_loop().time
             async for out in outputs:
-                if running.handed_off:
-                    raise HandedOff(f"replica {self.replica_id} is stopping")
+                if running.handed_off:  # not a failure: it goes on elsewhere
+                    attrs = {tracing.Attr.OUTPUT_TOKENS: completion}
+                    span.add_event("handed_off", attrs)
+                    yield HandOff(self.replica_id)
+                    return
                 seq = out.outputs[0]
                 completion += len(seq.token_ids)
                 running.output_tokens = completion
@@ -242,8 +243,8 @@ class VLLMEngine:
         await self._engine.abort(request_id)
 
     async def hand_off(self) -> list[str]:
-        """Ends every running stream with ``HandedOff`` (the replica is stopping):
-        each request is aborted in the engine, and its stream raises at the next
+        """Ends every running stream with ``HandOff`` (the replica is stopping):
+        each request is aborted in the engine, and its stream ends at the next
         output (vLLM's abort delivers one). Returns their ids."""
         handed = list(self._running)
         for running in self._running.values():

@@ -41,6 +41,7 @@ from deployments.protocol import (
     Finish,
     FinishReason,
     HandedOff,
+    HandOff,
     RequestRejected,
     Started,
     TokenDelta,
@@ -383,6 +384,8 @@ class Frontend:
                                 final(event.reason, event.cached_tokens),
                                 expert_hist=hist or event.expert_hist,
                             )
+                        elif isinstance(event, HandOff):
+                            raise HandedOff(f"replica {event.replica_id} stopped")
                         yield event
                         if stopped:  # a stop string that straddled the seam
                             done = True
@@ -559,6 +562,8 @@ class Frontend:
                 while not head or isinstance(head[-1], Started):
                     timeout = None if deadline is None else deadline - loop.time()
                     head.append(await asyncio.wait_for(anext(events), timeout))
+                    if isinstance(head[-1], HandOff):  # before any output
+                        raise HandedOff(f"replica {head[-1].replica_id} stopped")
                     self._mark(rid, head[-1], loop.time())
                 return events, head
             except StopAsyncIteration:

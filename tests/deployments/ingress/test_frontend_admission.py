@@ -21,6 +21,7 @@ from deployments.ingress.validation import InvalidRequest, Limits
 from deployments.protocol import (
     EngineRequest,
     Finish,
+    HandOff,
     RequestRejected,
     Sampling,
     Started,
@@ -280,3 +281,34 @@ async def test_migration_is_off_at_limit_zero() -> None:
     with pytest.raises(EngineUnavailable):
         await drain(fe, req("m4"))
     assert len(opened) == 1
+
+
+async def test_a_stream_handed_off_by_a_stopping_replica_goes_on_elsewhere() -> None:
+    fe, service, opened = setup(
+        [Started("a"), tokens(5), HandOff("a")],
+        [Started("b"), TokenDelta((6,), "g"), Finish("length", 4, 1, 3, "b")],
+        migration_limit=1,
+        breaker_failures=1,
+    )
+    fe.tokenizer = Tokens()
+    r = EngineRequest("h1", (1, 2, 3), Sampling(max_tokens=2))
+    events = await drain(fe, r)
+    deltas = [e for e in events if isinstance(e, TokenDelta)]
+    assert [t for d in deltas for t in d.token_ids] == [5, 6]
+    assert events[-1] == Finish("length", 3, 2, 3, "b", migrations=1)
+    assert opened[1].prompt_token_ids == (1, 2, 3, 5)
+    # A hand-off is not a failure: one failure would have opened "a"'s breaker.
+    assert service.snapshot().replicas["a"].breaker == "closed"
+    assert running(service) == 0
+
+
+async def test_a_request_handed_off_before_its_first_token_is_placed_again() -> None:
+    fe, service, opened = setup(
+        [Started("a"), HandOff("a")],
+        ok("b"),
+        breaker_failures=1,
+    )
+    events = await drain(fe, req("h2"))
+    assert events[-1] == Finish("length", 3, 2, 0, "b")  # no migration counted
+    assert len(opened) == 2
+    assert service.snapshot().replicas["a"].breaker == "closed"
