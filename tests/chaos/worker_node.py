@@ -26,7 +26,7 @@ from ray import serve
 from ray.cluster_utils import Cluster
 
 from cluster.config import ClusterConfig
-from deployments.app import GRPC_SERVICERS, build_app, prepare_model
+from deployments.app import build_app, prepare_model, proxy_options
 from deployments.ingress.client import InferenceClient
 from kvstore import actor as kv_actor
 from router import actor as router_actor
@@ -73,15 +73,9 @@ def main(model: str, out_path: str) -> None:
     cluster.wait_for_nodes()
     http_port, grpc_port = free_port(), free_port()
     cfg = config(model, http_port, grpc_port)
-    from ray.serve.config import HTTPOptions, gRPCOptions
-
-    serve.start(
-        proxy_location="HeadOnly",
-        http_options=HTTPOptions(host="127.0.0.1", port=http_port),
-        grpc_options=gRPCOptions(
-            port=grpc_port, grpc_servicer_functions=GRPC_SERVICERS
-        ),
-    )
+    # Both "nodes" share this machine's ports: one proxy, on the head.
+    http, grpc_options = proxy_options(cfg)
+    serve.start(proxy_location="HeadOnly", http_options=http, grpc_options=grpc_options)
     serve.run(build_app(cfg), name=APP, route_prefix="/")
     handle = serve.get_deployment_handle("Engine", app_name=APP)
     replicas = wait_until(

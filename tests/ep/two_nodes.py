@@ -40,7 +40,7 @@ from ray import serve
 from ray.cluster_utils import Cluster
 
 from cluster.config import ClusterConfig
-from deployments.app import GRPC_SERVICERS, build_app, prepare_model
+from deployments.app import build_app, prepare_model, proxy_options
 from deployments.protocol import EngineStats
 from router import actor as router_actor
 from router.stats import GroupStats, RouterStats
@@ -107,16 +107,9 @@ def main(model: str) -> None:
     cluster.wait_for_nodes()
     http_port, grpc_port = free_port(), free_port()
     cfg = config(model, http_port, grpc_port)
-    from ray.serve.config import HTTPOptions, gRPCOptions
-
     # Both "nodes" share this machine's ports: one proxy, on the head.
-    serve.start(
-        proxy_location="HeadOnly",
-        http_options=HTTPOptions(host="127.0.0.1", port=http_port),
-        grpc_options=gRPCOptions(
-            port=grpc_port, grpc_servicer_functions=GRPC_SERVICERS
-        ),
-    )
+    http, grpc_options = proxy_options(cfg)
+    serve.start(proxy_location="HeadOnly", http_options=http, grpc_options=grpc_options)
     t = time.monotonic()
     serve.run(build_app(cfg), name=APP, route_prefix="/")
     startup_s = time.monotonic() - t

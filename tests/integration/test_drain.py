@@ -8,13 +8,11 @@ without redeploying, as Serve's autoscaler does."""
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
-import grpc
-
 from deployments.proto import inference_pb2 as pb
+from tests.integration import streams
 from tests.integration.conftest import Served, engine_stats, wait_until
 from tests.integration.test_kvstore import BLOCK
 from tests.integration.test_router import router_snapshot
@@ -41,46 +39,14 @@ def test_a_replica_scaled_away_drains_and_hands_its_streams_off(
     served: Served, engine_handle: Any
 ) -> None:
     drain_s = served.config.deployment.drain_timeout_s
-    outcomes: dict[str, dict[str, Any]] = {}
-    started = threading.Semaphore(0)
-
-    def stream(rid: str) -> None:
-        request = pb.GenerateRequest(
-            request_id=rid,
-            token_ids=pb.TokenIds(ids=[411, 466, 15]),
-            sampling=pb.SamplingParams(
-                max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True
-            ),
-        )
-        out = outcomes.setdefault(rid, {"tokens": [], "text": [], "at": []})
-        told = False
-        try:
-            for msg in served.client().generate(request, timeout=180):
-                if msg.HasField("chunk"):
-                    out["tokens"] += msg.chunk.token_ids
-                    out["text"].append(msg.chunk.text)
-                    out["at"].append(time.monotonic())
-                    if not told and len(out["tokens"]) >= SCALE_AFTER:
-                        told = True
-                        started.release()
-                elif msg.HasField("finished"):
-                    out["finished"] = msg.finished
-        except grpc.RpcError as e:
-            out["code"], out["details"] = e.code(), e.details()
-        if not told:
-            started.release()
-
     before = wait_until(
         lambda: s if len(s := engine_stats(engine_handle)) == 2 else None,
         60,
         "both replicas",
     )
     rids = [f"drained-{i}" for i in range(STREAMS)]
-    readers = [threading.Thread(target=stream, args=(r,), daemon=True) for r in rids]
-    for t in readers:
-        t.start()
-    for _ in rids:
-        assert started.acquire(timeout=90)
+    prompt = [411, 466, 15]
+    outcomes, readers = streams.start(served, rids, prompt, MAX_TOKENS, SCALE_AFTER)
     on = {
         rid: s.replica_id
         for s in engine_stats(engine_handle).values()
@@ -109,19 +75,17 @@ def test_a_replica_scaled_away_drains_and_hands_its_streams_off(
         assert msgs[-1].finished.completion_tokens == 4
         assert msgs[-1].finished.replica_id != victim
 
-    for t in readers:
-        t.join(180)
-        assert not t.is_alive(), "a stream hung while its replica drained"
+    streams.join(readers)
     # None failed; each has the tokens of an uninterrupted run.
-    assert all("code" not in o for o in outcomes.values()), outcomes
+    assert all(o.code is None for o in outcomes.values()), outcomes
     on_victim = [r for r in rids if on[r] == victim]
     assert len(on_victim) == STREAMS // 2, on
     reference = outcomes[next(r for r in rids if r not in on_victim)]
-    assert len(reference["tokens"]) == MAX_TOKENS
+    assert len(reference.tokens) == MAX_TOKENS
     for rid in rids:
-        out, finished = outcomes[rid], outcomes[rid]["finished"]
-        assert out["tokens"] == reference["tokens"], rid  # no gap, no duplicate
-        assert "".join(out["text"]) == "".join(reference["text"]), rid
+        out, finished = outcomes[rid], outcomes[rid].finished
+        assert out.tokens == reference.tokens, rid  # no gap, no duplicate
+        assert "".join(out.text) == "".join(reference.text), rid
         assert finished.completion_tokens == MAX_TOKENS
         if rid not in on_victim:
             assert finished.migrations == 0, rid
@@ -131,9 +95,7 @@ def test_a_replica_scaled_away_drains_and_hands_its_streams_off(
         assert finished.migrations == 1, rid
         assert finished.replica_id != victim
         assert finished.cached_tokens >= 2 * BLOCK, (rid, finished)
-        gaps = [b - a for a, b in zip(out["at"], out["at"][1:], strict=False)]
-        seam = out["at"][gaps.index(max(gaps)) + 1]
-        assert seam - told_at >= drain_s - 1.0, (rid, seam - told_at)
+        assert out.seam() - told_at >= drain_s - 1.0, (rid, out.seam() - told_at)
     print(
         f"scaled down: router told {told_at - scaled_at:.2f} s after the scale call; "
         f"{len(on_victim)} streams handed off after the {drain_s:.0f} s drain"

@@ -5,16 +5,15 @@ and traffic moves to the other replica while Serve replaces it."""
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
-import grpc
 import psutil
 import ray
 
 from deployments.proto import inference_pb2 as pb
 from kvstore import actor as kv_actor
+from tests.integration import streams
 from tests.integration.conftest import (
     Served,
     engine_stats,
@@ -35,48 +34,14 @@ KILL_AFTER = 2 * BLOCK + 8
 def test_a_dead_engines_streams_resume_elsewhere_and_its_breaker_opens(
     served: Served, engine_handle: Any
 ) -> None:
-    outcomes: dict[str, dict[str, Any]] = {}
-    started = threading.Semaphore(0)
-
-    def stream(rid: str) -> None:
-        request = pb.GenerateRequest(
-            request_id=rid,
-            token_ids=pb.TokenIds(ids=[410, 465, 14]),
-            sampling=pb.SamplingParams(
-                max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True
-            ),
-        )
-        out = outcomes.setdefault(rid, {"tokens": [], "text": [], "gaps": []})
-        told = False
-        last = time.monotonic()
-        try:
-            for msg in served.client().generate(request, timeout=120):
-                now = time.monotonic()
-                if msg.HasField("chunk"):
-                    out["tokens"] += msg.chunk.token_ids
-                    out["text"].append(msg.chunk.text)
-                    out["gaps"].append(now - last)
-                    last = now
-                    if not told and len(out["tokens"]) >= KILL_AFTER:
-                        told = True
-                        started.release()
-                elif msg.HasField("finished"):
-                    out["finished"] = msg.finished
-        except grpc.RpcError as e:
-            out["code"], out["details"] = e.code(), e.details()
-        if not told:
-            started.release()
-
     # Pages the node's store holds before the replica dies.
     store = next(iter(kv_actor.stores(served.config.server.app_name).values()))
     store_before = ray.get(store.summary.remote())
 
     rids = [f"doomed-{i}" for i in range(STREAMS)]
-    readers = [threading.Thread(target=stream, args=(r,), daemon=True) for r in rids]
-    for t in readers:
-        t.start()
-    for _ in rids:
-        assert started.acquire(timeout=60)
+    outcomes, readers = streams.start(
+        served, rids, [410, 465, 14], MAX_TOKENS, KILL_AFTER
+    )
     before = wait_until(lambda: engine_stats(engine_handle), 30, "both replicas")
     (victim,) = [s for s in before.values() if "doomed-0" in s.request_ids]
     on_victim = [r for r in rids if r in victim.request_ids]
@@ -87,9 +52,7 @@ def test_a_dead_engines_streams_resume_elsewhere_and_its_breaker_opens(
         child.kill()
     killed_at = time.monotonic()
 
-    for t in readers:
-        t.join(90)
-        assert not t.is_alive(), "a stream hung after its engine died"
+    streams.join(readers, 90)
     # Pages the node's store holds while the replacement starts: served from the
     # store 4 times, the cluster's hottest prefix.
     kept = unique_prompt(6 * BLOCK + 1)
@@ -97,13 +60,13 @@ def test_a_dead_engines_streams_resume_elsewhere_and_its_breaker_opens(
         generate(engine_handle, "", kept)
     # Every stream finished, with the same greedy tokens and text: those on the
     # dead engine went on on the other replica where they were cut.
-    assert all("code" not in o for o in outcomes.values()), outcomes
+    assert all(o.code is None for o in outcomes.values()), outcomes
     reference = outcomes[next(r for r in rids if r not in on_victim)]
-    assert len(reference["tokens"]) == MAX_TOKENS
+    assert len(reference.tokens) == MAX_TOKENS
     for rid in rids:
-        out, finished = outcomes[rid], outcomes[rid]["finished"]
-        assert out["tokens"] == reference["tokens"], rid  # no gap, no duplicate
-        assert "".join(out["text"]) == "".join(reference["text"]), rid
+        out, finished = outcomes[rid], outcomes[rid].finished
+        assert out.tokens == reference.tokens, rid  # no gap, no duplicate
+        assert "".join(out.text) == "".join(reference.text), rid
         assert finished.completion_tokens == MAX_TOKENS
         assert finished.prompt_tokens == 3
         if rid in on_victim:
@@ -114,7 +77,7 @@ def test_a_dead_engines_streams_resume_elsewhere_and_its_breaker_opens(
             assert finished.cached_tokens >= 2 * BLOCK, (rid, finished)
         else:
             assert finished.migrations == 0
-    seams = sorted(max(outcomes[r]["gaps"]) for r in on_victim)
+    seams = sorted(max(outcomes[r].gaps()) for r in on_victim)
     print(f"resume gap (longest pause per migrated stream): {seams} s")
 
     # Three failures in a row: the router opened the victim's breaker ...

@@ -1,0 +1,82 @@
+"""Long greedy gRPC streams run in threads while a test breaks something under them."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from deployments.proto import inference_pb2 as pb
+from tests.integration.conftest import Served
+
+
+@dataclass
+class Stream:
+    """What one stream's client got: its tokens and text pieces, when each chunk
+    came, and how it ended (the ``Finished`` message, or an error code)."""
+
+    tokens: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    at: list[float] = field(default_factory=list)
+    finished: Any = None
+    code: grpc.StatusCode | None = None
+    details: str = ""
+
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.at, self.at[1:], strict=False)]
+
+    def seam(self) -> float:
+        """When the chunk after the longest pause came (a resumed stream's first)."""
+        gaps = self.gaps()
+        return self.at[gaps.index(max(gaps)) + 1]
+
+
+def start(
+    served: Served, rids: list[str], prompt: list[int], max_tokens: int, after: int
+) -> tuple[dict[str, Stream], list[threading.Thread]]:
+    """Starts one greedy stream per id (``ignore_eos``: each runs ``max_tokens``);
+    returns once every stream has ``after`` tokens (or ended)."""
+    streams = {rid: Stream() for rid in rids}
+    ready = threading.Semaphore(0)
+
+    def run(rid: str) -> None:
+        out = streams[rid]
+        request = pb.GenerateRequest(
+            request_id=rid,
+            token_ids=pb.TokenIds(ids=prompt),
+            sampling=pb.SamplingParams(
+                max_tokens=max_tokens, temperature=0, ignore_eos=True
+            ),
+        )
+        told = False
+        try:
+            for msg in served.client().generate(request, timeout=180):
+                if msg.HasField("chunk"):
+                    out.tokens += msg.chunk.token_ids
+                    out.text.append(msg.chunk.text)
+                    out.at.append(time.monotonic())
+                    if not told and len(out.tokens) >= after:
+                        told = True
+                        ready.release()
+                elif msg.HasField("finished"):
+                    out.finished = msg.finished
+        except grpc.RpcError as e:
+            out.code, out.details = e.code(), e.details() or ""
+        if not told:
+            ready.release()
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in rids]
+    for t in threads:
+        t.start()
+    for _ in rids:
+        assert ready.acquire(timeout=90), "a stream never got going"
+    return streams, threads
+
+
+def join(threads: list[threading.Thread], timeout_s: float = 180) -> None:
+    for t in threads:
+        t.join(timeout_s)
+        assert not t.is_alive(), "a stream hung"
