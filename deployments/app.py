@@ -76,6 +76,20 @@ def deploy(config: ClusterConfig, *, external_scaler: bool = False) -> None:
     )
 
 
+def scale_engines(app_name: str, replicas: int) -> None:
+    """Sets the engines' replica count of an app deployed with ``external_scaler``
+    (what an external autoscaler does): Serve starts or stops replicas without
+    touching the others; a stopped one drains (see ``EngineServer``). The count is
+    in replicas: with EP groups, ``ranks`` per group."""
+    import ray
+    from ray.serve._private.common import DeploymentID
+    from ray.serve.context import _get_global_client
+
+    engines = DeploymentID(name="Engine", app_name=app_name)
+    controller = _get_global_client()._controller
+    ray.get(controller.update_deployment_replicas.remote(engines, replicas))
+
+
 def proxy_options(config: ClusterConfig) -> tuple[HTTPOptions, gRPCOptions]:
     s = config.server
     tls: dict[str, Any] = {}

@@ -25,14 +25,9 @@ SCALE_AFTER = 2 * BLOCK + 8
 
 
 def scale(served: Served, replicas: int) -> None:
-    """Sets the engines' replica count, as an external autoscaler does."""
-    import ray
-    from ray.serve._private.common import DeploymentID
-    from ray.serve.context import _get_global_client
+    from deployments.app import scale_engines
 
-    engines = DeploymentID(name="Engine", app_name=served.config.server.app_name)
-    controller = _get_global_client()._controller
-    ray.get(controller.update_deployment_replicas.remote(engines, replicas))
+    scale_engines(served.config.server.app_name, replicas)
 
 
 def test_a_replica_scaled_away_drains_and_hands_its_streams_off(

@@ -88,6 +88,19 @@ def _workload(rate: float | None, seed: int) -> Workload:
     return Workload(classes, seed=seed)
 
 
+async def _closed_loop() -> dict[str, Any]:
+    # A grpc.aio channel belongs to the loop it is made on: made here, in the run.
+    w = _workload(None, seed=11)
+    return await drive(GrpcBackend(TARGET), w, SLO, concurrency=32, n=128, warmup=8)
+
+
+async def _open_loop(
+    offered: Workload, duration_s: float
+) -> tuple[dict[str, Any], HintCheckingBackend]:
+    backend = HintCheckingBackend(TARGET)
+    return await drive(backend, offered, SLO, duration_s=duration_s), backend
+
+
 class Sampler:
     """Samples RSS per component and the router's queue depths every second."""
 
@@ -153,21 +166,17 @@ def main() -> None:
     try:
         capacity = args.capacity
         if capacity is None:
-            w = _workload(None, seed=11)
-            closed = asyncio.run(
-                drive(GrpcBackend(TARGET), w, SLO, concurrency=32, n=128, warmup=8)
-            )
+            closed = asyncio.run(_closed_loop())
             capacity = float(closed["all"]["request_rate"])
+            if capacity <= 0:
+                raise RuntimeError(f"nothing served: {closed['all']['errors']}")
         print(f"capacity {capacity:.2f} req/s", flush=True)
         sampler = Sampler()
         before = sampler.sample()
-        backend = HintCheckingBackend(TARGET)
         offered = _workload(args.factor * capacity, seed=12)
         started = time.monotonic()
         with sampler:
-            summary = asyncio.run(
-                drive(backend, offered, SLO, duration_s=args.duration)
-            )
+            summary, backend = asyncio.run(_open_loop(offered, args.duration))
         took = time.monotonic() - started
         time.sleep(5)  # queues drained, garbage collected
         after = sampler.sample()

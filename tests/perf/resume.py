@@ -55,6 +55,8 @@ def _config(model: str, store: bool, replicas: int) -> ClusterConfig:
 
 
 def _stream(client: Any, prompt: list[int], out: dict[str, Any]) -> None:
+    import grpc
+
     from deployments.proto import inference_pb2 as pb
 
     request = pb.GenerateRequest(
@@ -62,23 +64,27 @@ def _stream(client: Any, prompt: list[int], out: dict[str, Any]) -> None:
         sampling=pb.SamplingParams(max_tokens=OUTPUT, temperature=0, ignore_eos=True),
     )
     out["at"], out["tokens"] = [], 0
-    for msg in client.generate(request, timeout=300):
-        if msg.HasField("chunk"):
-            out["at"].append(time.monotonic())
-            out["tokens"] += len(msg.chunk.token_ids)
-        else:
-            out["finished"] = msg.finished
+    try:
+        for msg in client.generate(request, timeout=300):
+            if msg.HasField("chunk"):
+                out["at"].append(time.monotonic())
+                out["tokens"] += len(msg.chunk.token_ids)
+            else:
+                out["finished"] = msg.finished
+    except grpc.RpcError as e:
+        out["error"] = f"{e.code().name}: {e.details()}"
+        out["tokens"] = max(out["tokens"], HAND_OFF_AFTER)  # not waited for
 
 
 def run(model: str, store: bool, streams: int) -> list[dict[str, Any]]:
     from ray import serve
 
-    from deployments.app import build_app, deploy, prepare_model
+    from deployments.app import deploy, prepare_model, scale_engines
     from deployments.ingress.client import InferenceClient
     from kvstore import actor as kv_actor
 
     config = prepare_model(_config(model, store, 2))
-    deploy(config)
+    deploy(config, external_scaler=True)
     try:
         client = InferenceClient(f"127.0.0.1:{config.server.grpc_port}", "", APP)
         _stream(client, unique_prompt(8), {})  # first-call costs out of the way
@@ -91,10 +97,11 @@ def run(model: str, store: bool, streams: int) -> list[dict[str, Any]]:
             t.start()
         while any(o.get("tokens", 0) < HAND_OFF_AFTER for o in outs):
             time.sleep(0.05)
-        one = prepare_model(_config(model, store, 1))
-        serve.run(build_app(one), name=APP, route_prefix="/")
+        scale_engines(APP, 1)
         for t in threads:
             t.join(300)
+        if failed := [o["error"] for o in outs if "error" in o]:
+            raise RuntimeError(f"streams failed: {failed}")
         moved = []
         for o in outs:
             f = o["finished"]
