@@ -116,6 +116,7 @@ class Sampler:
         self.procs = _components()
         self.rss: dict[str, list[float]] = {c: [] for c in COMPONENTS}
         self.queued: dict[str, list[int]] = {q: [] for q in QUEUES}
+        self.router_ttft_ms: dict[str, Any] = {}  # the router's view, at the end
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -131,6 +132,7 @@ class Sampler:
             snap = ray.get(self._router.snapshot.remote(), timeout=30)
             for q in QUEUES:
                 self.queued[q].append(snap.queued[q])
+            self.router_ttft_ms = snap.as_json()["ttft_ms"]
 
     def __enter__(self) -> Sampler:
         self._thread.start()
@@ -197,6 +199,7 @@ def main() -> None:
             }
             for c in COMPONENTS
         },
+        "router_ttft_ms": sampler.router_ttft_ms,
         "refused": backend.refused,
         "refused_without_hint": backend.without_hint[:10],
         "summary": summary,
@@ -227,6 +230,15 @@ def table(out: dict[str, Any]) -> str:
             f"{c['requests'] - c['completed']} | {out['max_queued'][q]} / "
             f"{out['queue_limits'][q]} | {t['p50']:.0f} / {t['p99']:.0f} |"
         )
+    router = ", ".join(
+        f"{q} p50 {t['p50']:.0f} / p99 {t['p99']:.0f} ms"
+        for q, t in out["router_ttft_ms"].items()
+        if t
+    )
+    rows.append(
+        f"\nThe router's view (submission to first token at the ingress, the "
+        f"last 2,000 per class): {router}."
+    )
     rows += ["", "| process | RSS before (MiB) | max under load | after | growth |"]
     rows.append("|---|---|---|---|---|")
     for c, r in out["rss_mib"].items():

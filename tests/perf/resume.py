@@ -116,7 +116,7 @@ def run(model: str, store: bool, streams: int) -> list[dict[str, Any]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--streams", type=int, default=8)
     args = parser.parse_args()
 
     import ray
