@@ -255,6 +255,9 @@ class EngineServer:
         await asyncio.wait_for(self._engine.check_health(), timeout=10)
 
     def __del__(self) -> None:
+        # Its loops first: a poll of an engine already shut down only logs noise.
+        for task in getattr(self, "_tasks", ()):
+            task.cancel()
         engine = getattr(self, "_engine", None)
         if engine is not None:
             engine.shutdown()

@@ -47,12 +47,12 @@ COMPONENTS = {  # what each process's command line says it is
     "router": "DeepSeekRouter",
     "proxy": "ProxyActor",
 }
-MODE = Peer(
-    "moe",
-    "moe-cluster",
-    _module("moe-cluster", "--router-json", json.dumps({"max_queued": QUEUES})),
-    (),
-)
+
+
+def _mode(engine: str) -> Peer:
+    router = json.dumps({"max_queued": QUEUES})
+    argv = _module("moe-cluster", "--router-json", router, "--engine-json", engine)
+    return Peer("moe", "moe-cluster", argv, ())
 
 
 class HintCheckingBackend(GrpcBackend):
@@ -161,10 +161,11 @@ def main() -> None:
     p.add_argument("--factor", type=float, default=3.0)
     p.add_argument("--duration", type=float, default=60.0)
     p.add_argument("--capacity", type=float, default=None, help="req/s; skip measuring")
+    p.add_argument("--engine-json", default="{}", help="engine settings, e.g. nice")
     args = p.parse_args()
     logs = RESULTS / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    server = Server(MODE, 2, logs / "overload.log")
+    server = Server(_mode(args.engine_json), 2, logs / "overload.log")
     try:
         capacity = args.capacity
         if capacity is None:
@@ -185,6 +186,7 @@ def main() -> None:
     finally:
         server.stop()
     out = {
+        "engine": json.loads(args.engine_json),
         "capacity_req_s": capacity,
         "factor": args.factor,
         "duration_s": args.duration,

@@ -99,7 +99,11 @@ def serve_ray_serve_llm(port: int, replicas: int, prefix_router: bool) -> None:
 
 
 def serve_moe_cluster(
-    port: int, replicas: int, router: bool = True, router_settings: str = "{}"
+    port: int,
+    replicas: int,
+    router: bool = True,
+    router_settings: str = "{}",
+    engine_settings: str = "{}",
 ) -> None:
     import ray
 
@@ -110,7 +114,7 @@ def serve_moe_cluster(
         ClusterConfig.model_validate(
             {
                 "model": {"path": str(MODEL_DIR), "served_name": NAME},
-                "engine": ENGINE | {"omp_num_threads": 1},
+                "engine": ENGINE | {"omp_num_threads": 1} | json.loads(engine_settings),
                 "deployment": {"num_replicas": replicas, "num_cpus": 1},
                 "server": {"http_port": port, "grpc_port": port + 1},
                 "router": {"enabled": router} | json.loads(router_settings),
@@ -133,6 +137,9 @@ def main() -> None:
     p.add_argument(
         "--router-json", default="{}", help="moe-cluster: router settings (JSON)"
     )
+    p.add_argument(
+        "--engine-json", default="{}", help="moe-cluster: engine settings (JSON)"
+    )
     args = p.parse_args()
     os.environ.update(ENV)
     if not (MODEL_DIR / "config.json").exists():
@@ -141,7 +148,11 @@ def main() -> None:
         serve_ray_serve_llm(args.port, args.replicas, args.prefix_router)
     else:
         serve_moe_cluster(
-            args.port, args.replicas, not args.no_router, args.router_json
+            args.port,
+            args.replicas,
+            not args.no_router,
+            args.router_json,
+            args.engine_json,
         )
     print("READY", flush=True)
     wait_for_stop_signal()
