@@ -113,15 +113,6 @@ class EngineConfig(_Strict):
     omp_num_threads: int | None = Field(
         None, gt=0, description="OMP_NUM_THREADS for each engine process (CPU backend)."
     )
-    nice: int = Field(
-        0,
-        ge=0,
-        le=19,
-        description="CPU niceness of each engine's vLLM processes (engine core and "
-        "workers). Where engines share cores with Serve's proxy, the ingress and the "
-        "router (CPU nodes), a positive value lets those run first when the cores "
-        "are contended: admission, first tokens and streaming under overload.",
-    )
     measure_expert_load: bool | None = Field(
         None,
         description="Count the tokens each MoE layer routes to each expert (a hook "

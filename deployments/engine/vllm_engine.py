@@ -6,7 +6,6 @@ out). vLLM is imported here and in no module the ingress loads.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -118,8 +117,6 @@ class VLLMEngine:
         # (ray_vllm_* on Ray's endpoint, with a ReplicaId tag), as Ray Serve LLM
         # records them: its Grafana dashboard joins on them.
         engine = AsyncLLM.from_engine_args(args, stat_loggers=[EngineStatLogger])
-        if config.engine.nice:
-            _renice_children(config.engine.nice)
         try:
             check_started(config.engine, engine.vllm_config)
         except RuntimeError:
@@ -397,16 +394,6 @@ class VLLMEngine:
 
     def shutdown(self) -> None:
         self._engine.shutdown()
-
-
-def _renice_children(nice: int) -> None:
-    """Lowers the CPU priority of this process's children: vLLM's engine core and
-    its workers, which do the model's work (this process relays the tokens)."""
-    import psutil
-
-    for child in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            child.nice(nice)
 
 
 def _rejected(e: Exception) -> RequestRejected:

@@ -161,7 +161,7 @@ def main() -> None:
     p.add_argument("--factor", type=float, default=3.0)
     p.add_argument("--duration", type=float, default=60.0)
     p.add_argument("--capacity", type=float, default=None, help="req/s; skip measuring")
-    p.add_argument("--engine-json", default="{}", help="engine settings, e.g. nice")
+    p.add_argument("--engine-json", default="{}", help="engine settings (JSON)")
     args = p.parse_args()
     logs = RESULTS / "logs"
     logs.mkdir(parents=True, exist_ok=True)
