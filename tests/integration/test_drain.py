@@ -118,5 +118,8 @@ def test_a_replica_scaled_away_drains_and_hands_its_streams_off(
 
     replicas = wait_until(two_serving, 180, "the router to route to 2 replicas")
     (new,) = set(replicas) - set(before)
-    stats = engine_stats(engine_handle)[new]
+    # Asked by name once this process's handle knows it (the router may first).
+    stats = wait_until(
+        lambda: engine_stats(engine_handle).get(new), 60, "the new replica's stats"
+    )
     assert stats.warmed_prefixes >= 1 and stats.warmed_cached_tokens >= BLOCK
