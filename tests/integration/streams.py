@@ -80,3 +80,29 @@ def join(threads: list[threading.Thread], timeout_s: float = 180) -> None:
     for t in threads:
         t.join(timeout_s)
         assert not t.is_alive(), "a stream hung"
+
+
+def uninterrupted(
+    streams: dict[str, Stream], moved: list[str], max_tokens: int
+) -> Stream:
+    """Asserts every stream finished with the tokens and text of one that never
+    moved (no gap, no duplicate across a seam); returns that one."""
+    assert all(s.code is None for s in streams.values()), streams
+    reference = streams[next(r for r in streams if r not in moved)]
+    assert len(reference.tokens) == max_tokens
+    for rid, out in streams.items():
+        assert out.tokens == reference.tokens, rid
+        assert "".join(out.text) == "".join(reference.text), rid
+        assert out.finished.completion_tokens == max_tokens
+    return reference
+
+
+def served_elsewhere(served: Served, away_from: str, n: int = 4) -> None:
+    """Asserts ``n`` short requests are served, none by replica ``away_from``."""
+    short = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=[5, 6]), sampling=pb.SamplingParams(max_tokens=4)
+    )
+    for _ in range(n):
+        msgs = list(served.client().generate(short, timeout=60))
+        assert msgs[-1].finished.completion_tokens == 4
+        assert msgs[-1].finished.replica_id != away_from
