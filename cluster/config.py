@@ -124,6 +124,24 @@ class EngineConfig(_Strict):
     expert_load_window_s: float = Field(
         10.0, gt=0, description="Rolling window of the measured expert load."
     )
+    json_whitespace: Literal["compact", "any"] = Field(
+        "compact",
+        description="Structured outputs (JSON schemas, JSON objects, tool calls "
+        "forced by tool_choice): compact emits JSON without free whitespace (no "
+        "model can pad it endlessly); any lets the model place whitespace.",
+    )
+    quantization: Literal["fp8", "awq", "gptq", "compressed-tensors"] | None = Field(
+        None,
+        description="Quantized weights, as vLLM names the method (the checkpoint "
+        "must be quantized so; fp8 also quantizes an unquantized one when it "
+        "loads). None: the checkpoint's own. CPU engines: fp8 on AMX_MLA only.",
+    )
+    kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = Field(
+        "auto",
+        description="KV cache dtype; fp8 halves the cache and the page store's "
+        "pages. auto: the model dtype. The CPU MLA backends (AMX_MLA, CPU_MLA) "
+        "keep an unquantized cache only.",
+    )
 
     @model_validator(mode="after")
     def _backend_takes_it(self) -> EngineConfig:
@@ -140,6 +158,9 @@ class EngineConfig(_Strict):
                 self.enable_prefix_caching,
                 gpu=False,
                 amx=explicit == platform.Backend.AMX_MLA,
+            )
+            platform.check_quantization(
+                platform.Backend(explicit), self.quantization, self.kv_cache_dtype
             )
         return self
 
@@ -625,7 +646,7 @@ class ClusterConfig(_Strict):
         this one (``amx``: override what this CPU has). Raises ValueError naming
         the fields the backend refuses."""
         e = self.engine
-        return platform.resolve(
+        resolved = platform.resolve(
             e.attention_backend,
             e.dtype,
             e.block_size,
@@ -634,6 +655,8 @@ class ClusterConfig(_Strict):
             amx=platform.has_amx() if amx is None else amx,
             expert_parallel=self.expert_parallel.enabled,
         )
+        platform.check_quantization(resolved.backend, e.quantization, e.kv_cache_dtype)
+        return resolved
 
     def resolved(self, amx: bool | None = None) -> ClusterConfig:
         """A copy with the model path absolute (replicas run in other directories)

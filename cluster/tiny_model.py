@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cluster.tiny_tokenizer import BOS, EOS, build_tokenizer
+from cluster.tiny_tokenizer import BOS, EOS, NUM_RESERVED, build_tokenizer
 
 # Target logit of the greedy successor; the runner-up sits near
 # TOP_LOGIT * 3.3 / sqrt(hidden_size) (max of ~1000 random cosines).
@@ -187,8 +187,7 @@ def write_tiny_model(path: Path, spec: TinyModelSpec | None = None) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(spec.vocab_size)
     tokenizer.save_pretrained(str(path))
-    num_special = len(tokenizer.all_special_ids)
-    weights = make_weights(spec, num_special)
+    weights = make_weights(spec, NUM_RESERVED)
     save_file(weights, str(path / WEIGHT_FILE), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(hf_config(spec), indent=2) + "\n")
     (path / "generation_config.json").write_text(

@@ -19,15 +19,71 @@ BOS = SpecialToken(0, "<｜begin▁of▁sentence｜>")
 EOS = SpecialToken(1, "<｜end▁of▁sentence｜>")
 PAD = SpecialToken(2, "<｜pad｜>")
 SPECIAL_TOKENS = (BOS, EOS, PAD)
+# DeepSeek-V3's tool-call tokens, as in its tokenizer: added tokens that are not
+# "special" (decoding keeps them), so vLLM's deepseek_v3 tool parser finds them
+# in the output text as it does on a released checkpoint.
+TOOL_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
+TOOL_CALLS_END = "<｜tool▁calls▁end｜>"
+TOOL_CALL_BEGIN = "<｜tool▁call▁begin｜>"
+TOOL_CALL_END = "<｜tool▁call▁end｜>"
+TOOL_SEP = "<｜tool▁sep｜>"
+TOOL_OUTPUTS_BEGIN = "<｜tool▁outputs▁begin｜>"
+TOOL_OUTPUTS_END = "<｜tool▁outputs▁end｜>"
+TOOL_OUTPUT_BEGIN = "<｜tool▁output▁begin｜>"
+TOOL_OUTPUT_END = "<｜tool▁output▁end｜>"
+TOOL_TOKENS = (
+    TOOL_CALLS_BEGIN,
+    TOOL_CALLS_END,
+    TOOL_CALL_BEGIN,
+    TOOL_CALL_END,
+    TOOL_SEP,
+    TOOL_OUTPUTS_BEGIN,
+    TOOL_OUTPUTS_END,
+    TOOL_OUTPUT_BEGIN,
+    TOOL_OUTPUT_END,
+)
+# Ids 0 .. NUM_RESERVED - 1: the special and the tool tokens.
+NUM_RESERVED = len(SPECIAL_TOKENS) + len(TOOL_TOKENS)
 
 # DeepSeek-V2-Chat's layout: "User: ...\n\nAssistant: ...<eos>", system text first.
+# With tools, DeepSeek-V3's: the tools listed after the system text, an
+# assistant's calls in tool-call tokens (arguments as a ```json block), and tool
+# results in tool-output tokens.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% for message in messages if message['role'] == 'system' %}"
+    "{{ message['content'] + '\\n\\n' }}"
+    "{% endfor %}"
+    "{% if tools %}"
+    "{{ '## Tools\\nYou have access to the following tools:\\n' }}"
+    "{% for tool in tools %}"
+    "{{ '\\n### ' + tool['function']['name'] + '\\nDescription: ' }}"
+    "{{ tool['function'].get('description') or '' }}"
+    "{{ '\\n\\nParameters: ' + (tool['function'].get('parameters') or {}) | tojson }}"
+    "{{ '\\n' }}"
+    "{% endfor %}"
+    "{{ '\\nIMPORTANT: ALWAYS adhere to this exact format for tool use:\\n' }}"
+    "{{ '" + TOOL_CALLS_BEGIN + TOOL_CALL_BEGIN + "function" + TOOL_SEP + "' }}"
+    "{{ 'tool_call_name\\n```json\\ntool_call_arguments\\n```' }}"
+    "{{ '" + TOOL_CALL_END + TOOL_CALLS_END + "\\n\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}{{ message['content'] + '\\n\\n' }}"
-    "{% elif message['role'] == 'user' %}{{ 'User: ' + message['content'] + '\\n\\n' }}"
+    "{% if message['role'] == 'user' %}{{ 'User: ' + message['content'] + '\\n\\n' }}"
     "{% elif message['role'] == 'assistant' %}"
-    "{{ 'Assistant: ' + message['content'] + eos_token }}"
+    "{{ 'Assistant: ' + (message['content'] or '') }}"
+    "{% if message.get('tool_calls') %}"
+    "{{ '" + TOOL_CALLS_BEGIN + "' }}"
+    "{% for call in message['tool_calls'] %}"
+    "{{ '" + TOOL_CALL_BEGIN + "' + call['type'] + '" + TOOL_SEP + "' }}"
+    "{{ call['function']['name'] + '\\n```json\\n' }}"
+    "{{ call['function']['arguments'] + '\\n```" + TOOL_CALL_END + "' }}"
+    "{% endfor %}"
+    "{{ '" + TOOL_CALLS_END + "' }}"
+    "{% endif %}"
+    "{{ eos_token }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '" + TOOL_OUTPUTS_BEGIN + TOOL_OUTPUT_BEGIN + "' + message['content'] }}"
+    "{{ '" + TOOL_OUTPUT_END + TOOL_OUTPUTS_END + "\\n\\n' }}"
     "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
@@ -61,7 +117,14 @@ def _corpus() -> list[str]:
 
 def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     """Trains the byte-level BPE; the same vocab_size always gives the same result."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -69,11 +132,15 @@ def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[t.text for t in SPECIAL_TOKENS],
+        special_tokens=[t.text for t in SPECIAL_TOKENS] + list(TOOL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
+    # The trainer makes every reserved token special; the tool tokens are not.
+    tok.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS]
+    )
     fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok,
         bos_token=BOS.text,

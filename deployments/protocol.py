@@ -6,12 +6,28 @@ vLLM nor protobuf, so the ingress never loads the engine's dependencies.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from cluster.qos import QoS
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
+StructuredKind = Literal["json", "regex", "choice", "grammar", "json_object"]
+
+
+@dataclass(frozen=True, slots=True)
+class Structured:
+    """A constraint on the output, enforced by the engine's grammar backend.
+
+    ``json``: a JSON schema (as JSON text); ``regex``; ``grammar`` (EBNF);
+    ``choice``: one of ``choices``; ``json_object``: any JSON object. ``field``
+    names the request field it came from, for the engine's refusal."""
+
+    kind: StructuredKind
+    value: str = ""
+    choices: tuple[str, ...] = ()
+    field: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +42,9 @@ class Sampling:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    structured: Structured | None = None
+    # Log probabilities: None none; k >= 0 the sampled token's and the top k.
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +55,10 @@ class EngineRequest:
     qos: QoS = QoS.NORMAL
     tenant: str = ""
     replica_id: str = ""  # where the DeepSeekRouter placed it ("" = anywhere)
+    # The engine parses tool calls out of the output with this vLLM tool parser
+    # ("": none), for these tools (OpenAI ``tools`` as JSON text).
+    tool_parser: str = ""
+    tools_json: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,11 +69,56 @@ class Started:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One output token's log probability, its rank in the vocabulary (1 is the
+    most likely) and the ``top`` most likely tokens there: (id, text, logprob)."""
+
+    token_id: int
+    text: str
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, str, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A piece of the ``index``-th tool call of a response: its id and name come
+    with the first piece, its arguments (JSON text) in pieces."""
+
+    index: int
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
+
+
+def merge_tool_calls(calls: Sequence[ToolCallDelta]) -> tuple[ToolCallDelta, ...]:
+    """Pieces of the same call joined (id and name from the first that has them,
+    arguments concatenated), in order of first appearance."""
+    merged: dict[int, ToolCallDelta] = {}
+    for c in calls:
+        m = merged.get(c.index)
+        merged[c.index] = (
+            c
+            if m is None
+            else ToolCallDelta(
+                c.index, m.id or c.id, m.name or c.name, m.arguments + c.arguments
+            )
+        )
+    return tuple(merged.values())
+
+
+@dataclass(frozen=True, slots=True)
 class TokenDelta:
-    """New tokens of one request and their text (incrementally detokenized)."""
+    """New tokens of one request and their text (incrementally detokenized).
+
+    With a tool parser, ``text`` is the content outside tool calls and
+    ``tool_calls`` the calls parsed so far; ``logprobs``: one per token, when
+    the request asked for them."""
 
     token_ids: tuple[int, ...]
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+    tool_calls: tuple[ToolCallDelta, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,7 @@ def engine_args(
 ) -> Any:
     """vLLM's arguments; ``parallel`` adds the EP group rank's data-parallel and
     expert-parallel ones (``ep_group``)."""
+    from vllm.config import StructuredOutputsConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     events = None
@@ -60,6 +61,11 @@ def engine_args(
         max_num_seqs=config.max_num_seqs,
         block_size=config.kv_block_size,
         kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+        kv_cache_dtype=config.kv_cache_dtype,
+        quantization=config.quantization,
+        structured_outputs_config=StructuredOutputsConfig(
+            disable_any_whitespace=config.json_whitespace == "compact"
+        ),
         gpu_memory_utilization=config.gpu_memory_utilization,
         tensor_parallel_size=config.tensor_parallel_size,
         enforce_eager=config.enforce_eager,
@@ -112,8 +118,18 @@ def check_started(config: EngineConfig, vllm_config: Any) -> None:
 
 def sampling_params(s: Sampling) -> Any:
     from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
+    structured = None
+    if (c := s.structured) is not None:
+        kwargs: dict[str, Any] = {
+            "json": c.value,
+            "regex": c.value,
+            "grammar": c.value,
+            "choice": list(c.choices),
+            "json_object": True,
+        }
+        structured = StructuredOutputsParams(**{c.kind: kwargs[c.kind]})
     return SamplingParams(
         max_tokens=s.max_tokens,
         temperature=s.temperature,
@@ -123,6 +139,8 @@ def sampling_params(s: Sampling) -> Any:
         stop=list(s.stop) or None,
         stop_token_ids=list(s.stop_token_ids) or None,
         ignore_eos=s.ignore_eos,
+        structured_outputs=structured,
+        logprobs=s.logprobs,
         output_kind=RequestOutputKind.DELTA,
         detokenize=True,
     )

@@ -10,7 +10,12 @@ that crosses the interval, so it waits at most one step longer than the interval
 
 from __future__ import annotations
 
-from deployments.protocol import TokenDelta
+from deployments.protocol import (
+    TokenDelta,
+    TokenLogprob,
+    ToolCallDelta,
+    merge_tool_calls,
+)
 
 
 class DeltaBatcher:
@@ -20,12 +25,23 @@ class DeltaBatcher:
         self._interval_s = interval_s
         self._ids: list[int] = []
         self._text: list[str] = []
+        self._logprobs: list[TokenLogprob] = []
+        self._calls: list[ToolCallDelta] = []
         self._last_sent: float | None = None
 
-    def add(self, token_ids: list[int], text: str, now: float) -> TokenDelta | None:
+    def add(
+        self,
+        token_ids: list[int],
+        text: str,
+        now: float,
+        logprobs: tuple[TokenLogprob, ...] = (),
+        tool_calls: tuple[ToolCallDelta, ...] = (),
+    ) -> TokenDelta | None:
         """Adds one engine step's delta; returns a message when one is due."""
         self._ids += token_ids
         self._text.append(text)
+        self._logprobs += logprobs
+        self._calls += tool_calls
         due = self._last_sent is None or now - self._last_sent >= self._interval_s
         return self._take(now) if due and self._ids else None
 
@@ -34,7 +50,12 @@ class DeltaBatcher:
         return self._take(now) if self._ids else None
 
     def _take(self, now: float) -> TokenDelta:
-        delta = TokenDelta(tuple(self._ids), "".join(self._text))
-        self._ids, self._text = [], []
+        delta = TokenDelta(
+            tuple(self._ids),
+            "".join(self._text),
+            tuple(self._logprobs),
+            merge_tool_calls(self._calls),
+        )
+        self._ids, self._text, self._logprobs, self._calls = [], [], [], []
         self._last_sent = now
         return delta

@@ -39,6 +39,8 @@ from deployments.protocol import (
     HandOff,
     RequestRejected,
     Started,
+    TokenLogprob,
+    ToolCallDelta,
 )
 from router.types import ExpertLoad, RequestProgress
 
@@ -174,6 +176,7 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         rid = request.request_id
+        s = request.sampling
         running = self._running[rid] = _Running(request)
         self._started += 1
         completion = 0
@@ -197,6 +200,13 @@ class VLLMEngine:
                 else self._stream_interval_s
             )
             clock = asyncio.get_running_loop().time
+            tools = None
+            if request.tool_parser:
+                from deployments.engine.tools import ToolCallStream
+
+                tools = ToolCallStream(
+                    request.tool_parser, request.tools_json, self._engine.tokenizer
+                )
             async for out in outputs:
                 if running.handed_off:  # not a failure: it goes on elsewhere
                     attrs = {tracing.Attr.OUTPUT_TOKENS: completion}
@@ -207,7 +217,14 @@ class VLLMEngine:
                 completion += len(seq.token_ids)
                 running.output_tokens = completion
                 self.tokens_generated += len(seq.token_ids)
-                delta = batcher.add(list(seq.token_ids), seq.text, clock())
+                ids, text = list(seq.token_ids), seq.text
+                calls: tuple[ToolCallDelta, ...] = ()
+                if tools is not None:
+                    text, calls = tools.feed(ids, text)
+                    if out.finished:
+                        calls += tools.finish()
+                logprobs = _logprobs(seq, s.logprobs) if s.logprobs is not None else ()
+                delta = batcher.add(ids, text, clock(), logprobs, calls)
                 if completion and not running.first_token:
                     running.first_token = True
                     span.add_event("first_token")
@@ -218,8 +235,11 @@ class VLLMEngine:
                     _finished_span(span, out, seq.finish_reason, completion)
                     if (rest := batcher.flush(clock())) is not None:
                         yield rest
+                    reason = _finish_reason(seq.finish_reason)
+                    if tools is not None and tools.called and reason == "stop":
+                        reason = "tool_calls"
                     yield Finish(
-                        reason=_finish_reason(seq.finish_reason),
+                        reason=reason,
                         prompt_tokens=len(request.prompt_token_ids),
                         completion_tokens=completion,
                         cached_tokens=out.num_cached_tokens or 0,
@@ -394,6 +414,29 @@ class VLLMEngine:
 
     def shutdown(self) -> None:
         self._engine.shutdown()
+
+
+def _logprobs(seq: Any, k: int) -> tuple[TokenLogprob, ...]:
+    """The step's tokens' log probabilities (vLLM gives the sampled token's and
+    the top k of each position, the sampled one among them)."""
+    out = []
+    for token, position in zip(seq.token_ids, seq.logprobs or (), strict=False):
+        ranked = sorted(position.items(), key=lambda kv: kv[1].rank)
+        chosen = position[token]
+        out.append(
+            TokenLogprob(
+                int(token),
+                chosen.decoded_token or "",
+                float(chosen.logprob),
+                int(chosen.rank),
+                tuple(
+                    (int(t), lp.decoded_token or "", float(lp.logprob))
+                    for t, lp in ranked
+                    if lp.rank <= k
+                ),
+            )
+        )
+    return tuple(out)
 
 
 def _rejected(e: Exception) -> RequestRejected:

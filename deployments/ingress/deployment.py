@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -23,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import tracing
 from cluster.config import ClusterConfig
-from deployments.ingress import grpc_api, kv_warm, openai_api, validation
+from deployments.ingress import grpc_api, kv_warm, openai_api, structured, validation
 from deployments.ingress.errors import CLIENT_ERRORS, ServiceError, Status, status_of
 from deployments.ingress.frontend import Credential, Frontend, ModelFacts
 from deployments.ingress.grpc_api import MalformedRequest
@@ -31,7 +32,14 @@ from deployments.ingress.kv_warm import WarmRequest
 from deployments.ingress.router_client import RouterClient
 from deployments.ingress.telemetry import RequestTelemetry
 from deployments.proto import inference_pb2 as pb
-from deployments.protocol import EngineEvent, EngineRequest, Finish, TokenDelta
+from deployments.protocol import (
+    EngineEvent,
+    EngineRequest,
+    Finish,
+    TokenDelta,
+    TokenLogprob,
+    ToolCallDelta,
+)
 from router import actor as router_actor
 from router.experts import ExpertPredictor
 from router.tickets import TicketMaker
@@ -78,19 +86,31 @@ async def _first_output(events: AsyncGenerator[EngineEvent, None]) -> EngineEven
     raise ServiceError("engine stream ended without output")
 
 
+@dataclass(slots=True)
+class _Collected:
+    text: str
+    finish: Finish
+    calls: list[ToolCallDelta]
+    logprobs: list[TokenLogprob]
+
+
 async def _collect(
     first: EngineEvent, events: AsyncGenerator[EngineEvent, None]
-) -> tuple[str, Finish]:
+) -> _Collected:
     parts: list[str] = []
+    calls: list[ToolCallDelta] = []
+    logprobs: list[TokenLogprob] = []
     event = first
     try:
         while not isinstance(event, Finish):
             if isinstance(event, TokenDelta):
                 parts.append(event.text)
+                calls += event.tool_calls
+                logprobs += event.logprobs
             event = await anext(events)
     finally:
         await events.aclose()  # leave the in-flight table now, not at GC
-    return "".join(parts), event
+    return _Collected("".join(parts), event, calls, logprobs)
 
 
 async def _sse(
@@ -104,8 +124,11 @@ async def _sse(
     event: EngineEvent | None = first
     try:
         while event is not None:
-            if isinstance(event, TokenDelta) and event.text:
-                yield openai_api.sse(shape.chunk(event.text))
+            if isinstance(event, TokenDelta) and (
+                event.text or event.tool_calls or event.logprobs
+            ):
+                chunk = shape.chunk(event.text, None, event.tool_calls, event.logprobs)
+                yield openai_api.sse(chunk)
             elif isinstance(event, Finish):
                 yield openai_api.sse(shape.chunk("", event.reason))
                 if include_usage:
@@ -230,14 +253,17 @@ class Ingress:
             if isinstance(request, MalformedRequest):
                 raise validation.InvalidRequest("request", request.message)
             with tel.child("ingress.validate"):
-                req, deadline = grpc_api.engine_request(request, self.frontend)
+                req, deadline, choice = grpc_api.engine_request(request, self.frontend)
                 req = self.frontend.bind(credential, req)
             tel.request(req, stream=True)
-            async for event in self.frontend.stream(req, deadline, tel):
+            calls: list[ToolCallDelta] = []
+            events = self.frontend.stream(req, deadline, tel)
+            async for event in structured.shape_calls(events, choice):
                 if isinstance(event, TokenDelta):
+                    calls += event.tool_calls
                     yield grpc_api.chunk_message(req.request_id, event)
                 elif isinstance(event, Finish):
-                    yield grpc_api.finished_message(req.request_id, event)
+                    yield grpc_api.finished_message(req.request_id, event, calls)
         except Exception as e:
             tel.failed(e)
             self._grpc_fail(grpc_context, e)
@@ -412,7 +438,10 @@ class Ingress:
                 self.frontend.facts.name,
             )
             tel.response_id(shape.id)
-            events = self.frontend.stream(engine_req, deadline, tel)
+            events = structured.shape_calls(
+                self.frontend.stream(engine_req, deadline, tel),
+                req.tool_choice_parsed,
+            )
             # Wait for the first token before answering, so that overload, a
             # missed deadline or a dead engine still get a proper status code.
             first = await _first_output(events)
@@ -422,8 +451,10 @@ class Ingress:
                     _sse(shape, first, events, req.include_usage()),
                     media_type="text/event-stream",
                 )
-            text, finish = await _collect(first, events)
-            return JSONResponse(shape.full(text, finish))
+            got = await _collect(first, events)
+            return JSONResponse(
+                shape.full(got.text, got.finish, got.calls, got.logprobs)
+            )
         except Exception as e:
             tel.failed(e)
             return self._http_error(e)

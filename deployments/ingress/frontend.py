@@ -272,11 +272,19 @@ class Frontend:
             span.set_attribute(Attr.PROMPT_TOKENS, len(ids))
         return ids
 
-    def encode_chat(self, messages: Sequence[dict[str, str]], field: str) -> list[int]:
+    def encode_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        field: str,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """The chat template's prompt for ``messages`` (and ``tools``, which the
+        template lists for the model)."""
         with _tokenize_span() as span:
             try:
                 ids = self.tokenizer.apply_chat_template(
                     list(messages),
+                    tools=tools,
                     add_generation_prompt=True,
                     tokenize=True,
                     return_dict=False,
@@ -394,7 +402,7 @@ class Frontend:
                             break
                     break
                 except Exception as e:
-                    if not sent or not self._may_migrate(e, rid, migrations):
+                    if not sent or not self._may_migrate(e, request, migrations):
                         raise
                     if len(sent) >= request.sampling.max_tokens:
                         # It failed after its last token: the client has it all.
@@ -475,11 +483,18 @@ class Frontend:
                 _cancel(stream)
             self._settle(rid, outcome)
 
-    def _may_migrate(self, e: Exception, rid: str, migrations: int) -> bool:
+    def _may_migrate(
+        self, e: Exception, request: EngineRequest, migrations: int
+    ) -> bool:
         """Whether a stream that raised ``e`` after its client got tokens goes on
         on another replica: an engine failure (not the client's error, not a
-        cancel or a missed deadline), with migrations left to spend."""
-        if isinstance(e, _NOT_ENGINE_FAILURES) or rid in self._aborted:
+        cancel or a missed deadline), with migrations left to spend. A stream
+        whose output is constrained or parsed does not: the grammar's and the
+        tool parser's state would start again at the seam (vLLM cannot advance
+        a grammar over prompt tokens)."""
+        if isinstance(e, _NOT_ENGINE_FAILURES) or request.request_id in self._aborted:
+            return False
+        if request.sampling.structured is not None or request.tool_parser:
             return False
         return migrations < self._migration_limit
 

@@ -9,7 +9,8 @@ INVALID_ARGUMENT instead of gRPC's opaque "Exception deserializing request".
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -20,11 +21,20 @@ from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import DecodeError, Message
 
 from cluster.qos import QoS
-from deployments.ingress import validation
+from deployments.ingress import structured, validation
 from deployments.ingress.frontend import Frontend, ModelFacts
 from deployments.proto import inference_pb2 as pb
 from deployments.proto.inference_pb2_grpc import add_InferenceServicer_to_server
-from deployments.protocol import EngineRequest, Finish, TokenDelta
+from deployments.protocol import (
+    EngineRequest,
+    Finish,
+    Structured,
+    TokenDelta,
+    ToolCallDelta,
+    merge_tool_calls,
+)
+
+MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs
 
 SERVICE = "moecluster.v1.Inference"
 QOS_OF_PROTO = {
@@ -130,14 +140,29 @@ def _first_invalid_utf8(msg: Message, prefix: str = "") -> str | None:
     return None
 
 
+TOOL_MODES = {
+    pb.TOOL_CHOICE_NONE: "none",
+    pb.TOOL_CHOICE_AUTO: "auto",
+    pb.TOOL_CHOICE_REQUIRED: "required",
+}
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
 def engine_request(
     req: pb.GenerateRequest, frontend: Frontend
-) -> tuple[EngineRequest, float | None]:
-    """Validates a GenerateRequest; returns the engine request and TTFT deadline."""
+) -> tuple[EngineRequest, float | None, structured.ToolChoice]:
+    """Validates a GenerateRequest; returns the engine request, its TTFT
+    deadline and its tool choice."""
     limits = frontend.limits
     rid = validation.request_id(req.request_id)
     tenant = validation.tenant(req.tenant)
     kind = req.WhichOneof("input")
+    tools = structured.tools(
+        [_tool_json(t, f"tools[{i}]") for i, t in enumerate(req.tools)] or None
+    )
+    choice = structured.tool_choice(_tool_choice(req), tools)
+    if tools and kind != "chat":
+        raise validation.InvalidRequest("tools", "need chat input")
     if kind == "text":
         validation.prompt_text(req.text, limits, "text")
         ids = tuple(frontend.encode_text(req.text))
@@ -147,8 +172,11 @@ def engine_request(
     elif kind == "token_ids":
         ids = validation.token_ids(req.token_ids.ids, limits, "token_ids.ids")
         field = "token_ids"
+    elif kind == "chat":
+        ids = tuple(_chat_prompt(req.chat, frontend, tools))
+        field = "chat"
     else:
-        raise validation.InvalidRequest("input", "set one of text or token_ids")
+        raise validation.InvalidRequest("input", "set one of text, token_ids or chat")
     validation.prompt_fits(len(ids), limits, field)
     if req.qos not in QOS_OF_PROTO:
         raise validation.InvalidRequest("qos", f"unknown QoS value {req.qos}")
@@ -170,18 +198,159 @@ def engine_request(
         ignore_eos=s.ignore_eos,
         prefix="sampling.",
     )
+    logprobs = opt("logprobs")
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise validation.InvalidRequest(
+            "sampling.logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}"
+        )
+    constraint = _structured(s) if s.HasField("structured") else None
+    if (forced := structured.constraint(choice, tools)) is not None:
+        if constraint is not None:
+            raise validation.InvalidRequest(
+                "sampling.structured",
+                f"cannot be combined with a {choice.mode} tool choice",
+            )
+        constraint = forced
+    sampling = dataclasses.replace(sampling, structured=constraint, logprobs=logprobs)
     request = EngineRequest(rid, ids, sampling, QOS_OF_PROTO[req.qos], tenant)
+    if choice.mode == "auto":
+        request = dataclasses.replace(
+            request,
+            tool_parser=structured.TOOL_PARSER,
+            tools_json=json.dumps([t.openai() for t in tools]),
+        )
     deadline = req.deadline_ms / 1000 if req.deadline_ms else None
-    return request, deadline
+    return request, deadline, choice
+
+
+def _tool_json(t: pb.Tool, field: str) -> dict[str, Any]:
+    fn: dict[str, Any] = {"name": t.name, "description": t.description}
+    if t.parameters_json:
+        try:
+            fn["parameters"] = json.loads(t.parameters_json)
+        except ValueError as e:
+            raise validation.InvalidRequest(
+                f"{field}.parameters_json", f"is not valid JSON: {e}"
+            ) from None
+    if t.strict:
+        fn["strict"] = True
+    return {"type": "function", "function": fn}
+
+
+def _tool_choice(req: pb.GenerateRequest) -> Any:
+    which = req.WhichOneof("tool_choice")
+    if which == "tool_function":
+        return {"type": "function", "function": {"name": req.tool_function}}
+    if which == "tool_mode" and req.tool_mode != pb.TOOL_CHOICE_UNSPECIFIED:
+        if req.tool_mode not in TOOL_MODES:
+            raise validation.InvalidRequest(
+                "tool_mode", f"unknown tool choice mode {req.tool_mode}"
+            )
+        return TOOL_MODES[req.tool_mode]
+    return None
+
+
+def _structured(s: pb.SamplingParams) -> Structured:
+    c = s.structured
+    field = "sampling.structured"
+    kind = c.WhichOneof("kind")
+    if kind == "json_schema":
+        where = f"{field}.json_schema"
+        try:
+            schema = json.loads(c.json_schema)
+        except ValueError as e:
+            raise validation.InvalidRequest(where, f"is not valid JSON: {e}") from None
+        return structured.json_schema(schema, where, c.strict)
+    if c.strict:
+        raise validation.InvalidRequest(f"{field}.strict", "applies to json_schema")
+    if kind == "regex":
+        return structured.regex(c.regex, f"{field}.regex")
+    if kind == "grammar":
+        return structured.grammar(c.grammar, f"{field}.grammar")
+    if kind == "choice":
+        return structured.choice(list(c.choice.choices), f"{field}.choice.choices")
+    if kind == "json_object":
+        if not c.json_object:
+            raise validation.InvalidRequest(f"{field}.json_object", "must be true")
+        return structured.json_object(f"{field}.json_object")
+    raise validation.InvalidRequest(field, "set one kind of constraint")
+
+
+def _chat_prompt(
+    chat: pb.Chat, frontend: Frontend, tools: tuple[structured.Tool, ...]
+) -> list[int]:
+    limits = frontend.limits
+    if not chat.messages:
+        raise validation.InvalidRequest("chat.messages", "must not be empty")
+    messages: list[dict[str, Any]] = []
+    size = 0
+    for i, m in enumerate(chat.messages):
+        where = f"chat.messages[{i}]"
+        if m.role not in CHAT_ROLES:
+            raise validation.InvalidRequest(
+                f"{where}.role", f"must be one of {', '.join(CHAT_ROLES)}"
+            )
+        validation.prompt_text(m.content or " ", limits, f"{where}.content")
+        size += len(m.content.encode("utf-8"))
+        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise validation.InvalidRequest(
+                    f"{where}.tool_calls", "only an assistant message has them"
+                )
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for c in m.tool_calls
+            ]
+            size += sum(len(c.arguments.encode("utf-8")) for c in m.tool_calls)
+        if m.role == "tool" and not m.tool_call_id:
+            raise validation.InvalidRequest(f"{where}.tool_call_id", "is required")
+        messages.append(message)
+    if size > limits.max_prompt_bytes:
+        raise validation.InvalidRequest(
+            "chat.messages",
+            f"are {size} bytes; the limit is {limits.max_prompt_bytes}",
+        )
+    rendered = [t.openai() for t in tools] or None
+    return frontend.encode_chat(messages, "chat.messages", rendered)
 
 
 def chunk_message(rid: str, delta: TokenDelta) -> pb.GenerateResponse:
     return pb.GenerateResponse(
-        request_id=rid, chunk=pb.Chunk(token_ids=delta.token_ids, text=delta.text)
+        request_id=rid,
+        chunk=pb.Chunk(
+            token_ids=delta.token_ids,
+            text=delta.text,
+            logprobs=[
+                pb.TokenLogprob(
+                    token_id=lp.token_id,
+                    token=lp.text,
+                    logprob=lp.logprob,
+                    rank=lp.rank,
+                    top=[
+                        pb.TopLogprob(token_id=t, token=text, logprob=v)
+                        for t, text, v in lp.top
+                    ],
+                )
+                for lp in delta.logprobs
+            ],
+            tool_calls=[
+                pb.ToolCallDelta(
+                    index=c.index, id=c.id, name=c.name, arguments=c.arguments
+                )
+                for c in delta.tool_calls
+            ],
+        ),
     )
 
 
-def finished_message(rid: str, f: Finish) -> pb.GenerateResponse:
+def finished_message(
+    rid: str, f: Finish, calls: Sequence[ToolCallDelta] = ()
+) -> pb.GenerateResponse:
     return pb.GenerateResponse(
         request_id=rid,
         finished=pb.Finished(
@@ -192,6 +361,10 @@ def finished_message(rid: str, f: Finish) -> pb.GenerateResponse:
             replica_id=f.replica_id,
             predicted_expert_hits=f.expert_hist,
             migrations=f.migrations,
+            tool_calls=[
+                pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+                for c in merge_tool_calls(calls)
+            ],
         ),
     )
 

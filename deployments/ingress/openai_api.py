@@ -9,17 +9,24 @@ would change the meaning of the answer and are not implemented (``n`` > 1,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from cluster.qos import QoS
-from deployments.ingress import validation
+from deployments.ingress import structured, validation
 from deployments.ingress.errors import Status
-from deployments.protocol import EngineRequest, Finish
+from deployments.protocol import (
+    EngineRequest,
+    Finish,
+    TokenLogprob,
+    ToolCallDelta,
+    merge_tool_calls,
+)
 
 if TYPE_CHECKING:
     from deployments.ingress.frontend import Frontend
@@ -30,6 +37,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # it would at less). OpenAI requests nest a handful of levels; a JSON schema,
 # tens.
 MAX_JSON_DEPTH = 128
+MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs
 
 
 def _depth_within(data: Any, limit: int) -> bool:
@@ -51,8 +59,9 @@ def _depth_within(data: Any, limit: int) -> bool:
 
 
 class _Request(BaseModel):
-    # Unknown fields are ignored as OpenAI clients send many optional ones.
-    model_config = ConfigDict(extra="ignore", strict=False)
+    # A field this server does not know is refused (400 naming it), never
+    # ignored: it may change what the client expects back.
+    model_config = ConfigDict(extra="forbid", strict=False)
 
     model: str
     max_tokens: int | None = None
@@ -67,12 +76,6 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: int = 1
-    logprobs: Any = None
-    top_logprobs: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
     response_format: Any = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -82,31 +85,24 @@ class _Request(BaseModel):
     deadline_ms: int = Field(0, ge=0)
     tenant: str = ""
     request_id: str = ""
+    # What engine_request made of tools and tool_choice.
+    _choice: structured.ToolChoice = PrivateAttr(structured.NO_TOOLS)
+
+    @property
+    def tool_choice_parsed(self) -> structured.ToolChoice:
+        return self._choice
 
     def unsupported(self) -> str | None:
         if self.n != 1:
             return "n"
-        if self.logprobs not in (None, False, 0):
-            return "logprobs"
-        if self.top_logprobs not in (None, 0):
-            return "top_logprobs"
-        if self.tools:
-            return "tools"
-        if self.tool_choice not in (None, "none"):
-            return "tool_choice"
-        if self.functions or self.function_call not in (None, "none"):
-            return "functions" if self.functions else "function_call"
-        fmt = self.response_format
-        if fmt is not None and not (
-            isinstance(fmt, dict) and fmt.get("type") == "text"
-        ):
-            return "response_format"  # constrained output is not served: say so
         if self.presence_penalty not in (None, 0):
             return "presence_penalty"
         if self.frequency_penalty not in (None, 0):
             return "frequency_penalty"
         if self.logit_bias:
             return "logit_bias"
+        if self.stream_options and set(self.stream_options) - {"include_usage"}:
+            return "stream_options." + sorted(set(self.stream_options))[0]
         return None
 
     def stop_list(self) -> list[str]:
@@ -117,12 +113,17 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
 
+    def top_logprobs_count(self) -> int | None:
+        """None: no log probabilities; k: the sampled token's and the top k."""
+        raise NotImplementedError
+
 
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def unsupported(self) -> str | None:
         if self.echo:
@@ -133,16 +134,64 @@ class CompletionRequest(_Request):
             return "best_of"
         return super().unsupported()
 
+    def top_logprobs_count(self) -> int | None:
+        return self.logprobs
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    arguments: str
+
+
+class AssistantToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None  # who spoke; shown to no template, so unchecked
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool result's
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
 
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+
+    def unsupported(self) -> str | None:
+        if self.parallel_tool_calls is False:
+            return "parallel_tool_calls"  # one call at most is not enforced
+        return super().unsupported()
+
+    def top_logprobs_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise validation.InvalidRequest("top_logprobs", "needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def parse(model: type[BaseModel], body: bytes) -> Any:
@@ -168,6 +217,10 @@ def parse(model: type[BaseModel], body: bytes) -> Any:
     except ValidationError as e:
         err = e.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or "body"
+        if err["type"] == "extra_forbidden":
+            raise validation.InvalidRequest(
+                field, "is not supported by this server"
+            ) from None
         raise validation.InvalidRequest(field, err["msg"]) from None
 
 
@@ -213,8 +266,22 @@ def engine_request(
     bad = req.unsupported()
     if bad:
         raise validation.InvalidRequest(bad, "is not supported by this server")
+    constraint = None
+    if req.response_format is not None:
+        constraint = structured.response_format(req.response_format)
+    choice = structured.NO_TOOLS
+    tools: tuple[structured.Tool, ...] = ()
     if kind == "chat":
-        ids, field = _chat_prompt(req, frontend), "messages"
+        tools = structured.tools(req.tools)
+        choice = structured.tool_choice(req.tool_choice, tools)
+        if (forced := structured.constraint(choice, tools)) is not None:
+            if constraint is not None:
+                raise validation.InvalidRequest(
+                    "response_format",
+                    f"cannot be combined with tool_choice {choice.mode!r}",
+                )
+            constraint = forced
+        ids, field = _chat_prompt(req, frontend, tools), "messages"
         max_tokens = req.max_completion_tokens or req.max_tokens
     else:
         ids, field = _completion_prompt(req, frontend), "prompt"
@@ -235,6 +302,9 @@ def engine_request(
         stop_token_ids=req.stop_token_ids,
         ignore_eos=req.ignore_eos,
     )
+    sampling = dataclasses.replace(
+        sampling, structured=constraint, logprobs=req.top_logprobs_count()
+    )
     engine_req = EngineRequest(
         validation.request_id(req.request_id),
         tuple(ids),
@@ -242,21 +312,52 @@ def engine_request(
         qos_of(req),
         validation.tenant(req.tenant),
     )
+    if choice.mode == "auto":
+        engine_req = dataclasses.replace(
+            engine_req,
+            tool_parser=structured.TOOL_PARSER,
+            tools_json=json.dumps([t.openai() for t in tools]),
+        )
+    req._choice = choice
     return req, engine_req, (req.deadline_ms / 1000 if req.deadline_ms else None)
 
 
-def _chat_prompt(req: ChatCompletionRequest, frontend: Frontend) -> list[int]:
+def _chat_prompt(
+    req: ChatCompletionRequest,
+    frontend: Frontend,
+    tools: tuple[structured.Tool, ...] = (),
+) -> list[int]:
     limits = frontend.limits
-    messages = [m.model_dump() for m in req.messages]
-    for i, m in enumerate(messages):
+    messages: list[dict[str, Any]] = []
+    size = 0
+    for i, m in enumerate(req.messages):
+        text = m.text()
+        where = f"messages[{i}]"
         # Empty turns are fine; their text is checked like any prompt's.
-        validation.prompt_text(m["content"] or " ", limits, f"messages[{i}].content")
-    size = sum(len(m["content"].encode("utf-8")) for m in messages)
+        validation.prompt_text(text or " ", limits, f"{where}.content")
+        size += len(text.encode("utf-8"))
+        role = "system" if m.role == "developer" else m.role
+        message: dict[str, Any] = {"role": role, "content": text}
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise validation.InvalidRequest(
+                    f"{where}.tool_calls", "only an assistant message has them"
+                )
+            for j, call in enumerate(m.tool_calls):
+                validation.utf8(
+                    call.function.arguments, f"{where}.tool_calls[{j}].arguments"
+                )
+                size += len(call.function.arguments.encode("utf-8"))
+            message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.role == "tool" and not m.tool_call_id:
+            raise validation.InvalidRequest(f"{where}.tool_call_id", "is required")
+        messages.append(message)
     if size > limits.max_prompt_bytes:
         raise validation.InvalidRequest(
             "messages", f"are {size} bytes; the limit is {limits.max_prompt_bytes}"
         )
-    return frontend.encode_chat(messages, "messages")
+    rendered = [t.openai() for t in tools] or None
+    return frontend.encode_chat(messages, "messages", rendered)
 
 
 def _completion_prompt(req: CompletionRequest, frontend: Frontend) -> list[int]:
@@ -303,6 +404,7 @@ class ResponseShape:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + rid
         self.model = model
         self.created = int(time.time())
+        self._offset = 0  # characters of completion text so far (text_offset)
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -313,12 +415,45 @@ class ResponseShape:
             "choices": choices,
         }
 
-    def chunk(self, text: str, finish: str | None = None) -> dict[str, Any]:
+    def logprobs(self, entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        """OpenAI's logprobs object for these tokens (chat or completion form)."""
+        if not entries:
+            return None
         if self.chat:
-            delta = {"content": text} if text else {}
-            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            return {
+                "content": [
+                    _chat_logprob(e.text, e.logprob)
+                    | {"top_logprobs": [_chat_logprob(t, lp) for _, t, lp in e.top]}
+                    for e in entries
+                ]
+            }
+        offsets = []
+        for e in entries:
+            offsets.append(self._offset)
+            self._offset += len(e.text)
+        return {
+            "tokens": [e.text for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t: lp for _, t, lp in e.top} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def chunk(
+        self,
+        text: str,
+        finish: str | None = None,
+        calls: Sequence[ToolCallDelta] = (),
+        logprobs: Sequence[TokenLogprob] = (),
+    ) -> dict[str, Any]:
+        lp = self.logprobs(logprobs)
+        if self.chat:
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if calls:
+                delta["tool_calls"] = [_call_delta(c) for c in calls]
+            choice = {"index": 0, "delta": delta, "logprobs": lp}
+            choice["finish_reason"] = finish
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
         return self._envelope("text_completion", [choice])
 
     def role_chunk(self) -> dict[str, Any]:
@@ -331,17 +466,53 @@ class ResponseShape:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return self._envelope(obj, []) | {"usage": usage(f)}
 
-    def full(self, text: str, f: Finish) -> dict[str, Any]:
+    def full(
+        self,
+        text: str,
+        f: Finish,
+        calls: Sequence[ToolCallDelta] = (),
+        logprobs: Sequence[TokenLogprob] = (),
+    ) -> dict[str, Any]:
+        lp = self.logprobs(logprobs)
         if self.chat:
-            message = {"role": "assistant", "content": text}
-            choice = {"index": 0, "message": message, "finish_reason": f.reason}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if calls:
+                message["content"] = text or None
+                message["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": c.arguments},
+                    }
+                    for c in merge_tool_calls(calls)
+                ]
+            choice = {"index": 0, "message": message, "logprobs": lp}
+            choice["finish_reason"] = f.reason
             body = self._envelope("chat.completion", [choice])
         else:
-            choice = {"index": 0, "text": text, "logprobs": None}
+            choice = {"index": 0, "text": text, "logprobs": lp}
             body = self._envelope(
                 "text_completion", [choice | {"finish_reason": f.reason}]
             )
         return body | {"usage": usage(f)}
+
+
+def _chat_logprob(token: str, logprob: float) -> dict[str, Any]:
+    return {
+        "token": token,
+        "logprob": logprob,
+        "bytes": list(token.encode("utf-8", errors="replace")),
+    }
+
+
+def _call_delta(c: ToolCallDelta) -> dict[str, Any]:
+    out: dict[str, Any] = {"index": c.index}
+    if c.id:
+        out |= {"id": c.id, "type": "function"}
+    fn: dict[str, Any] = {"arguments": c.arguments}
+    if c.name:
+        fn["name"] = c.name
+    return out | {"function": fn}
 
 
 def sse(obj: dict[str, Any] | str) -> bytes:

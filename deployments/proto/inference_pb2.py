@@ -24,35 +24,55 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!deployments/proto/inference.proto\x12\rmoecluster.v1\"\xf4\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xe3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.moecluster.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.moecluster.v1.SamplingParams\x12\x1f\n\x03qos\x18\x05 \x01(\x0e\x32\x12.moecluster.v1.QoS\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x06 \x01(\r\x12\x0e\n\x06tenant\x18\x07 \x01(\tB\x07\n\x05input\"(\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xb1\x01\n\x08\x46inished\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x12\n\nreplica_id\x18\x05 \x01(\t\x12\x1d\n\x15predicted_expert_hits\x18\x06 \x03(\r\x12\x12\n\nmigrations\x18\x07 \x01(\r\"\x83\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.moecluster.v1.ChunkH\x00\x12+\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x17.moecluster.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x12\n\x10ModelInfoRequest\"\xa1\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x16\n\x0enum_moe_layers\x18\x06 \x01(\r\x12\x1a\n\x12num_routed_experts\x18\x07 \x01(\r\x12\x1a\n\x12num_shared_experts\x18\x08 \x01(\r\x12\x19\n\x11\x65xperts_per_token\x18\t \x01(\r\x12\x19\n\x11num_expert_groups\x18\n \x01(\r\x12\x13\n\x0btopk_groups\x18\x0b \x01(\r\x12\x17\n\x0f\x65ngine_replicas\x18\x0c \x01(\r*D\n\x03QoS\x12\x13\n\x0fQOS_UNSPECIFIED\x10\x00\x12\x0c\n\x08REALTIME\x10\x01\x12\n\n\x06NORMAL\x10\x02\x12\x0e\n\nBACKGROUND\x10\x03\x32\xe9\x01\n\tInference\x12M\n\x08Generate\x12\x1e.moecluster.v1.GenerateRequest\x1a\x1f.moecluster.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.moecluster.v1.AbortRequest\x1a\x1c.moecluster.v1.AbortResponse\x12I\n\x0cGetModelInfo\x12\x1f.moecluster.v1.ModelInfoRequest\x1a\x18.moecluster.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!deployments/proto/inference.proto\x12\rmoecluster.v1\"\xcd\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x05\x88\x01\x01\x12\x33\n\nstructured\x18\n \x01(\x0b\x32\x1f.moecluster.v1.StructuredOutputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xa6\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x16.moecluster.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\x0e\n\x06strict\x18\x06 \x01(\x08\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"4\n\x04\x43hat\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.moecluster.v1.ChatMessage\"o\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12+\n\ntool_calls\x18\x03 \x03(\x0b\x32\x17.moecluster.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"R\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x88\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.moecluster.v1.TokenIdsH\x00\x12#\n\x04\x63hat\x18\x08 \x01(\x0b\x32\x13.moecluster.v1.ChatH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.moecluster.v1.SamplingParams\x12\x1f\n\x03qos\x18\x05 \x01(\x0e\x32\x12.moecluster.v1.QoS\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x06 \x01(\r\x12\x0e\n\x06tenant\x18\x07 \x01(\t\x12\"\n\x05tools\x18\t \x03(\x0b\x32\x13.moecluster.v1.Tool\x12\x32\n\ttool_mode\x18\n \x01(\x0e\x32\x1d.moecluster.v1.ToolChoiceModeH\x01\x12\x17\n\rtool_function\x18\x0b \x01(\tH\x01\x42\x07\n\x05inputB\r\n\x0btool_choice\"\x89\x01\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.moecluster.v1.TokenLogprob\x12\x30\n\ntool_calls\x18\x04 \x03(\x0b\x32\x1c.moecluster.v1.ToolCallDelta\"v\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12&\n\x03top\x18\x05 \x03(\x0b\x32\x19.moecluster.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xde\x01\n\x08\x46inished\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x12\n\nreplica_id\x18\x05 \x01(\t\x12\x1d\n\x15predicted_expert_hits\x18\x06 \x03(\r\x12\x12\n\nmigrations\x18\x07 \x01(\r\x12+\n\ntool_calls\x18\x08 \x03(\x0b\x32\x17.moecluster.v1.ToolCall\"\x83\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.moecluster.v1.ChunkH\x00\x12+\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x17.moecluster.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x12\n\x10ModelInfoRequest\"\xa1\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x16\n\x0enum_moe_layers\x18\x06 \x01(\r\x12\x1a\n\x12num_routed_experts\x18\x07 \x01(\r\x12\x1a\n\x12num_shared_experts\x18\x08 \x01(\r\x12\x19\n\x11\x65xperts_per_token\x18\t \x01(\r\x12\x19\n\x11num_expert_groups\x18\n \x01(\r\x12\x13\n\x0btopk_groups\x18\x0b \x01(\r\x12\x17\n\x0f\x65ngine_replicas\x18\x0c \x01(\r*D\n\x03QoS\x12\x13\n\x0fQOS_UNSPECIFIED\x10\x00\x12\x0c\n\x08REALTIME\x10\x01\x12\n\n\x06NORMAL\x10\x02\x12\x0e\n\nBACKGROUND\x10\x03*s\n\x0eToolChoiceMode\x12\x1b\n\x17TOOL_CHOICE_UNSPECIFIED\x10\x00\x12\x14\n\x10TOOL_CHOICE_NONE\x10\x01\x12\x14\n\x10TOOL_CHOICE_AUTO\x10\x02\x12\x18\n\x14TOOL_CHOICE_REQUIRED\x10\x03\x32\xe9\x01\n\tInference\x12M\n\x08Generate\x12\x1e.moecluster.v1.GenerateRequest\x1a\x1f.moecluster.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.moecluster.v1.AbortRequest\x1a\x1c.moecluster.v1.AbortResponse\x12I\n\x0cGetModelInfo\x12\x1f.moecluster.v1.ModelInfoRequest\x1a\x18.moecluster.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'deployments.proto.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_QOS']._serialized_start=1290
-  _globals['_QOS']._serialized_end=1358
+  _globals['_QOS']._serialized_start=2453
+  _globals['_QOS']._serialized_end=2521
+  _globals['_TOOLCHOICEMODE']._serialized_start=2523
+  _globals['_TOOLCHOICEMODE']._serialized_end=2638
   _globals['_SAMPLINGPARAMS']._serialized_start=53
-  _globals['_SAMPLINGPARAMS']._serialized_end=297
-  _globals['_TOKENIDS']._serialized_start=299
-  _globals['_TOKENIDS']._serialized_end=322
-  _globals['_GENERATEREQUEST']._serialized_start=325
-  _globals['_GENERATEREQUEST']._serialized_end=552
-  _globals['_CHUNK']._serialized_start=554
-  _globals['_CHUNK']._serialized_end=594
-  _globals['_FINISHED']._serialized_start=597
-  _globals['_FINISHED']._serialized_end=774
-  _globals['_GENERATERESPONSE']._serialized_start=777
-  _globals['_GENERATERESPONSE']._serialized_end=908
-  _globals['_ABORTREQUEST']._serialized_start=910
-  _globals['_ABORTREQUEST']._serialized_end=944
-  _globals['_ABORTRESPONSE']._serialized_start=946
-  _globals['_ABORTRESPONSE']._serialized_end=976
-  _globals['_MODELINFOREQUEST']._serialized_start=978
-  _globals['_MODELINFOREQUEST']._serialized_end=996
-  _globals['_MODELINFO']._serialized_start=999
-  _globals['_MODELINFO']._serialized_end=1288
-  _globals['_INFERENCE']._serialized_start=1361
-  _globals['_INFERENCE']._serialized_end=1594
+  _globals['_SAMPLINGPARAMS']._serialized_end=386
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=389
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=555
+  _globals['_CHOICES']._serialized_start=557
+  _globals['_CHOICES']._serialized_end=583
+  _globals['_CHAT']._serialized_start=585
+  _globals['_CHAT']._serialized_end=637
+  _globals['_CHATMESSAGE']._serialized_start=639
+  _globals['_CHATMESSAGE']._serialized_end=750
+  _globals['_TOOL']._serialized_start=752
+  _globals['_TOOL']._serialized_end=834
+  _globals['_TOOLCALL']._serialized_start=836
+  _globals['_TOOLCALL']._serialized_end=891
+  _globals['_TOKENIDS']._serialized_start=893
+  _globals['_TOKENIDS']._serialized_end=916
+  _globals['_GENERATEREQUEST']._serialized_start=919
+  _globals['_GENERATEREQUEST']._serialized_end=1311
+  _globals['_CHUNK']._serialized_start=1314
+  _globals['_CHUNK']._serialized_end=1451
+  _globals['_TOKENLOGPROB']._serialized_start=1453
+  _globals['_TOKENLOGPROB']._serialized_end=1571
+  _globals['_TOPLOGPROB']._serialized_start=1573
+  _globals['_TOPLOGPROB']._serialized_end=1635
+  _globals['_TOOLCALLDELTA']._serialized_start=1637
+  _globals['_TOOLCALLDELTA']._serialized_end=1712
+  _globals['_FINISHED']._serialized_start=1715
+  _globals['_FINISHED']._serialized_end=1937
+  _globals['_GENERATERESPONSE']._serialized_start=1940
+  _globals['_GENERATERESPONSE']._serialized_end=2071
+  _globals['_ABORTREQUEST']._serialized_start=2073
+  _globals['_ABORTREQUEST']._serialized_end=2107
+  _globals['_ABORTRESPONSE']._serialized_start=2109
+  _globals['_ABORTRESPONSE']._serialized_end=2139
+  _globals['_MODELINFOREQUEST']._serialized_start=2141
+  _globals['_MODELINFOREQUEST']._serialized_end=2159
+  _globals['_MODELINFO']._serialized_start=2162
+  _globals['_MODELINFO']._serialized_end=2451
+  _globals['_INFERENCE']._serialized_start=2641
+  _globals['_INFERENCE']._serialized_end=2874
 # @@protoc_insertion_point(module_scope)

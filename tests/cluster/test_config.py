@@ -101,3 +101,31 @@ def test_router_needs_serve_room_for_its_slots() -> None:
         ClusterConfig.model_validate(
             {"router": {"class_weights": {"realtime": 1, "normal": 1, "background": 0}}}
         )
+
+
+@pytest.mark.parametrize(
+    ("engine", "amx", "field"),
+    [
+        ({"kv_cache_dtype": "fp8_e4m3"}, False, "engine.kv_cache_dtype"),
+        ({"kv_cache_dtype": "fp8_e5m2"}, True, "engine.kv_cache_dtype"),
+        ({"quantization": "fp8"}, False, "engine.quantization"),
+        ({"quantization": "awq"}, True, "engine.quantization"),
+        ({"quantization": "fp8", "attention_backend": "CPU_MLA"}, None, "CPU_MLA"),
+    ],
+)
+def test_quantization_the_cpu_backends_refuse_is_named(
+    engine: dict[str, object], amx: bool | None, field: str
+) -> None:
+    with pytest.raises(ValueError, match=field):
+        # An explicit backend fails at load; auto when it is resolved.
+        ClusterConfig.model_validate({"engine": engine}).engine_platform(amx=bool(amx))
+
+
+def test_fp8_weights_are_accepted_on_amx() -> None:
+    config = ClusterConfig.model_validate({"engine": {"quantization": "fp8"}})
+    assert config.engine_platform(amx=True).backend.value == "AMX_MLA"
+    gpu = {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}
+    on_gpu = ClusterConfig.model_validate(
+        {"engine": gpu, "deployment": {"num_gpus": 1}}
+    )
+    assert on_gpu.engine_platform().backend.value == "GPU"  # vLLM checks it there

@@ -15,6 +15,7 @@ from cluster.tiny_model import (
     greedy_successors,
     write_tiny_model,
 )
+from cluster.tiny_tokenizer import NUM_RESERVED
 
 
 def test_the_checkpoint_is_deterministic(tiny_model: Path, tmp_path: Path) -> None:
@@ -50,9 +51,11 @@ def test_tokenizer_round_trips_and_has_a_chat_template(tiny_model: Path) -> None
 
 def test_greedy_successor_is_a_single_cycle(tiny_model: Path) -> None:
     successor = greedy_successors(tiny_model)
-    order = cycle_order(TinyModelSpec(), num_special=3)
+    order = cycle_order(TinyModelSpec(), num_special=NUM_RESERVED)
     assert [int(successor[t]) for t in order] == [int(t) for t in np.roll(order, -1)]
-    assert len(set(order.tolist())) == 1024 - 2  # every token but BOS and PAD
+    # Every token but BOS, PAD and the tool-call tokens: greedy text holds none.
+    assert len(set(order.tolist())) == 1024 - NUM_RESERVED + 1
+    assert set(order.tolist()).isdisjoint(range(2, NUM_RESERVED))
 
 
 def test_transformers_greedy_follows_the_cycle_with_wide_margins(

@@ -20,6 +20,7 @@ from cluster.tiny_model import (
     greedy_chain,
     greedy_successors,
 )
+from cluster.tiny_tokenizer import NUM_RESERVED
 from deployments.proto import inference_pb2 as pb
 from tests.integration.conftest import ENGINE, Served, engine_stats, wait_until
 from tests.integration.test_router import router_snapshot
@@ -101,7 +102,7 @@ def test_both_replicas_give_identical_greedy_tokens(
 
 
 def test_eos_stops_unless_ignored(served: Served, tiny_model: Path) -> None:
-    order = cycle_order(TinyModelSpec(), num_special=3)
+    order = cycle_order(TinyModelSpec(), num_special=NUM_RESERVED)
     before_eos = [int(order[-3])]  # greedy: order[-2], order[-1], EOS
     tokens, fin, _ = run(served, greedy(before_eos, 10))
     assert fin.finish_reason == "stop"

@@ -9,7 +9,9 @@ import torch
 from kvstore.page_layer import PageLayer
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
+)
 @pytest.mark.parametrize(
     "shape, block_dim",
     [((6, 1, 16, 576), 0), ((2, 6, 16, 4, 8), 1)],  # MLA latent; K/V split
@@ -17,7 +19,7 @@ from kvstore.page_layer import PageLayer
 def test_save_then_load_moves_exactly_one_block(
     shape: tuple[int, ...], block_dim: int, dtype: torch.dtype
 ) -> None:
-    cache = torch.randn(shape).to(dtype)
+    cache = torch.randn(shape).to(dtype)  # fp8: a quantized KV cache's bytes
     offset = 8  # the layer's part does not start the page
     layer = PageLayer("l0", cache, block_dim, offset)
     block = cache.select(block_dim, 3)
@@ -31,10 +33,29 @@ def test_save_then_load_moves_exactly_one_block(
 
     before = cache.clone()
     layer.load(page, 5)
-    assert torch.equal(cache.select(block_dim, 5), block)
+    assert torch.equal(
+        cache.select(block_dim, 5).view(torch.uint8), block.view(torch.uint8)
+    )
     others = [b for b in range(shape[block_dim]) if b != 5]
     for b in others:
-        assert torch.equal(cache.select(block_dim, b), before.select(block_dim, b))
+        assert torch.equal(
+            cache.select(block_dim, b).view(torch.uint8),
+            before.select(block_dim, b).view(torch.uint8),
+        )
+
+
+def test_pages_hold_the_caches_dtype_fp8_in_half_the_bytes() -> None:
+    # The tiny model's MLA page (4 layers of 16-token blocks of 576 latents).
+    sizes = {
+        dtype: sum(
+            PageLayer(f"l{i}", torch.zeros(8, 16, 576, dtype=dtype), 0, 0).nbytes
+            for i in range(4)
+        )
+        for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
+    }
+    assert sizes[torch.bfloat16] == 4 * 16 * 576 * 2 == 73728
+    assert sizes[torch.float8_e4m3fn] * 2 == sizes[torch.bfloat16]
+    assert sizes[torch.float32] == 2 * sizes[torch.bfloat16]
 
 
 def test_the_block_axis_is_vllms_first_even_with_two_blocks() -> None:

@@ -109,7 +109,7 @@ def test_engine_request_conversion() -> None:
         deadline_ms=250,
         tenant="acme",
     )
-    engine_req, deadline = convert(req)
+    engine_req, deadline, _ = convert(req)
     assert engine_req.request_id == "r-1" and engine_req.tenant == "acme"
     assert engine_req.prompt_token_ids == (47, 48, 49, 0)
     assert engine_req.qos is QoS.REALTIME and deadline == 0.25
@@ -118,7 +118,7 @@ def test_engine_request_conversion() -> None:
 
 
 def test_unset_fields_take_defaults() -> None:
-    engine_req, deadline = convert(
+    engine_req, deadline, _ = convert(
         pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]))
     )
     assert engine_req.qos is QoS.NORMAL and deadline is None
