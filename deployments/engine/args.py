@@ -63,8 +63,11 @@ def engine_args(
         kv_cache_memory_bytes=config.kv_cache_memory_bytes,
         kv_cache_dtype=config.kv_cache_dtype,
         quantization=config.quantization,
+        # xgrammar alone (no fallback to another backend), one behaviour
+        # whatever the schema: what it cannot enforce is refused.
         structured_outputs_config=StructuredOutputsConfig(
-            disable_any_whitespace=config.json_whitespace == "compact"
+            backend="xgrammar",
+            disable_any_whitespace=config.json_whitespace == "compact",
         ),
         gpu_memory_utilization=config.gpu_memory_utilization,
         tensor_parallel_size=config.tensor_parallel_size,

@@ -249,7 +249,7 @@ class VLLMEngine:
             # vLLM refused the request for what it asks (its parameters), in
             # SamplingParams or when it validates it at the first step: the
             # client's error, which must not count against this replica.
-            raise _rejected(e) from None
+            raise _rejected(e, request) from None
         finally:
             self._running.pop(rid, None)
             dead = getattr(self._engine, "errored", False)
@@ -439,8 +439,15 @@ def _logprobs(seq: Any, k: int) -> tuple[TokenLogprob, ...]:
     return tuple(out)
 
 
-def _rejected(e: Exception) -> RequestRejected:
-    return RequestRejected(str(e), getattr(e, "parameter", None))
+def _rejected(e: Exception, request: EngineRequest | None = None) -> RequestRejected:
+    """The client's error. vLLM names no parameter when a constraint fails to
+    compile (every other parameter the ingress checked already): it is the
+    constraint's, named as the client spelled it."""
+    parameter = getattr(e, "parameter", None)
+    constraint = request.sampling.structured if request is not None else None
+    if parameter is None and constraint is not None:
+        parameter = constraint.field
+    return RequestRejected(str(e), parameter)
 
 
 def _finished_span(span: Any, out: Any, reason: str | None, completion: int) -> None:

@@ -160,7 +160,7 @@ def engine_request(
     tools = structured.tools(
         [_tool_json(t, f"tools[{i}]") for i, t in enumerate(req.tools)] or None
     )
-    choice = structured.tool_choice(_tool_choice(req), tools)
+    choice = structured.tool_choice(_tool_choice(req, tools), tools)
     if tools and kind != "chat":
         raise validation.InvalidRequest("tools", "need chat input")
     if kind == "text":
@@ -237,9 +237,13 @@ def _tool_json(t: pb.Tool, field: str) -> dict[str, Any]:
     return {"type": "function", "function": fn}
 
 
-def _tool_choice(req: pb.GenerateRequest) -> Any:
+def _tool_choice(req: pb.GenerateRequest, tools: tuple[structured.Tool, ...]) -> Any:
     which = req.WhichOneof("tool_choice")
     if which == "tool_function":
+        if req.tool_function not in {t.name for t in tools}:
+            raise validation.InvalidRequest(
+                "tool_function", f"{req.tool_function!r} is not one of the tools"
+            )
         return {"type": "function", "function": {"name": req.tool_function}}
     if which == "tool_mode" and req.tool_mode != pb.TOOL_CHOICE_UNSPECIFIED:
         if req.tool_mode not in TOOL_MODES:
