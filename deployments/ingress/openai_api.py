@@ -1,10 +1,11 @@
 """OpenAI-compatible request models and response shapes (no I/O here).
 
-Requests accept OpenAI's fields plus three extensions: ``qos``, ``deadline_ms``
-and ``tenant``; the first two may also come as ``X-QoS`` and ``X-Deadline-Ms``
-headers (for clients that cannot add body fields), the body winning. Fields that
-would change the meaning of the answer and are not implemented (``n`` > 1,
-``logprobs``, ``echo``, ``tools`` ...) are rejected with 400 rather than ignored.
+Requests accept OpenAI's fields plus four extensions: ``qos``, ``deadline_ms``,
+``tenant`` and ``request_id``; the first two may also come as ``X-QoS`` and
+``X-Deadline-Ms`` headers (for clients that cannot add body fields), the body
+winning. A field this server does not know, or a value it does not serve
+(``n`` > 1, penalties, ``echo`` ...), is refused with 400 naming it, never
+ignored: it would change what the client expects back.
 """
 
 from __future__ import annotations
