@@ -20,6 +20,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -179,8 +180,45 @@ def make_weights(spec: TinyModelSpec, num_special: int) -> dict[str, np.ndarray]
     return w
 
 
-def write_tiny_model(path: Path, spec: TinyModelSpec | None = None) -> Path:
-    """Writes the checkpoint (weights, config, tokenizer) into ``path``; idempotent."""
+# The largest finite float8_e4m3fn value: a tensor's absolute maximum maps to it.
+FP8_E4M3_MAX = 448.0
+# vLLM's serialized-FP8 checkpoint format (per-tensor weight scales, activations
+# quantized dynamically), as its Fp8Config reads it.
+FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+
+
+def is_fp8_weight(name: str) -> bool:
+    """Whether an FP8 checkpoint quantizes this tensor: every linear projection
+    (attention, dense and expert MLPs). Embeddings, norms, the MoE gate and the
+    head stay in float32, as in DeepSeek's own FP8 release."""
+    return name.endswith("_proj.weight") or name.endswith("_mqa.weight")
+
+
+def fp8_weights(weights: dict[str, np.ndarray]) -> dict[str, Any]:
+    """The checkpoint's tensors with every projection in float8_e4m3fn and its
+    per-tensor scale beside it (``<layer>.weight_scale``, float32)."""
+    import torch
+
+    out: dict[str, Any] = {}
+    for name, w in weights.items():
+        t = torch.from_numpy(w)
+        if not is_fp8_weight(name):
+            out[name] = t
+            continue
+        scale = max(float(t.abs().max()), 1e-12) / FP8_E4M3_MAX
+        out[name] = (t / scale).to(torch.float8_e4m3fn)
+        out[name.removesuffix("weight") + "weight_scale"] = torch.tensor(
+            scale, dtype=torch.float32
+        )
+    return out
+
+
+def write_tiny_model(
+    path: Path, spec: TinyModelSpec | None = None, fp8: bool = False
+) -> Path:
+    """Writes the checkpoint (weights, config, tokenizer) into ``path``; idempotent.
+    ``fp8``: projections in float8_e4m3fn with per-tensor scales (vLLM's
+    ``quant_method: fp8`` format); served with ``engine.quantization: fp8``."""
     from safetensors.numpy import save_file
 
     spec = spec or TinyModelSpec()
@@ -188,8 +226,17 @@ def write_tiny_model(path: Path, spec: TinyModelSpec | None = None) -> Path:
     tokenizer = build_tokenizer(spec.vocab_size)
     tokenizer.save_pretrained(str(path))
     weights = make_weights(spec, NUM_RESERVED)
-    save_file(weights, str(path / WEIGHT_FILE), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(hf_config(spec), indent=2) + "\n")
+    config = hf_config(spec)
+    if fp8:
+        from safetensors.torch import save_file as save_torch
+
+        save_torch(
+            fp8_weights(weights), str(path / WEIGHT_FILE), metadata={"format": "pt"}
+        )
+        config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
+    else:
+        save_file(weights, str(path / WEIGHT_FILE), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (path / "generation_config.json").write_text(
         json.dumps({"bos_token_id": BOS.id, "eos_token_id": EOS.id}, indent=2) + "\n"
     )

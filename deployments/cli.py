@@ -185,9 +185,10 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     if (out / "config.json").exists() and not args.force:
         print(f"{out} already holds a model (use --force to rewrite)")
         return 0
-    write_tiny_model(out)
+    write_tiny_model(out, fp8=args.fp8)
     digest = checkpoint_digest(out)[:16]
-    print(f"wrote the tiny DeepSeek-V2 checkpoint to {out} (sha256 {digest})")
+    kind = "FP8 (e4m3, per-tensor scales) " if args.fp8 else ""
+    print(f"wrote the tiny DeepSeek-V2 {kind}checkpoint to {out} (sha256 {digest})")
     return 0
 
 
@@ -241,6 +242,12 @@ def parser() -> argparse.ArgumentParser:
     m = sub.add_parser("make-tiny-model", help="write the built-in tiny checkpoint")
     m.add_argument("--out", default=DEFAULT_TINY_MODEL_DIR)
     m.add_argument("--force", action="store_true")
+    m.add_argument(
+        "--fp8",
+        action="store_true",
+        help="projections in float8_e4m3fn with per-tensor scales (serve with "
+        "engine.quantization: fp8)",
+    )
     m.set_defaults(func=cmd_make_tiny_model)
     return p
 

@@ -86,3 +86,44 @@ def test_spec_rejects_shapes_vllm_cannot_route() -> None:
         TinyModelSpec(n_routed_experts=10, n_group=4)
     with pytest.raises(ValueError, match="MoE layer"):
         TinyModelSpec(num_layers=1, first_k_dense_replace=1)
+
+
+def test_the_fp8_checkpoint_is_vllms_format(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    from cluster.tiny_model import (
+        FP8_QUANTIZATION_CONFIG,
+        WEIGHT_FILE,
+        is_fp8_weight,
+        make_weights,
+        write_tiny_model,
+    )
+
+    path = write_tiny_model(tmp_path / "fp8", fp8=True)
+    config = json.loads((path / "config.json").read_text())
+    assert config["quantization_config"] == FP8_QUANTIZATION_CONFIG
+    got = load_file(str(path / WEIGHT_FILE))
+    ref = make_weights(TinyModelSpec(), NUM_RESERVED)
+    fp8_bytes = f32_bytes = 0
+    for name, w in ref.items():
+        if not is_fp8_weight(name):
+            assert got[name].dtype == torch.float32
+            assert np.array_equal(got[name].numpy(), w)
+            continue
+        q, scale = got[name], got[name.removesuffix("weight") + "weight_scale"]
+        assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+        # e4m3 keeps 3 mantissa bits: within 1/16 of each value, or of the
+        # smallest normal step for values near zero.
+        deq = q.float() * scale
+        err = (deq - torch.from_numpy(w)).abs()
+        bound = torch.from_numpy(np.abs(w)) / 16 + float(scale) * 2**-6
+        assert bool((err <= bound).all()), name
+        fp8_bytes += q.numel()
+        f32_bytes += w.nbytes
+    assert fp8_bytes * 4 == f32_bytes > 0
+    # vLLM reads it as a serialized FP8 checkpoint with dynamic activations.
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+
+    fp8 = Fp8Config.from_config(config["quantization_config"])
+    assert fp8.is_checkpoint_fp8_serialized and fp8.activation_scheme == "dynamic"
