@@ -30,6 +30,19 @@ from cluster.tiny_tokenizer import BOS, EOS, NUM_RESERVED, build_tokenizer
 # TOP_LOGIT * 3.3 / sqrt(hidden_size) (max of ~1000 random cosines).
 TOP_LOGIT = 12.0
 WEIGHT_FILE = "model.safetensors"
+SPEC_FILE = "tiny_model_spec.json"
+# Bumped when what write_tiny_model writes changes (2: DeepSeek's tool-call
+# tokens in the tokenizer, tools in the chat template).
+FORMAT = 2
+
+
+def is_current(path: Path, fp8: bool = False) -> bool:
+    """Whether ``path`` holds the tiny checkpoint this version writes."""
+    try:
+        spec = json.loads((path / SPEC_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(spec.get("format") == FORMAT and spec.get("fp8", False) == fp8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,8 +253,8 @@ def write_tiny_model(
     (path / "generation_config.json").write_text(
         json.dumps({"bos_token_id": BOS.id, "eos_token_id": EOS.id}, indent=2) + "\n"
     )
-    (path / "tiny_model_spec.json").write_text(
-        json.dumps(asdict(spec), indent=2) + "\n"
+    (path / SPEC_FILE).write_text(
+        json.dumps(asdict(spec) | {"format": FORMAT, "fp8": fp8}, indent=2) + "\n"
     )
     return path
 

@@ -179,12 +179,22 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from cluster.tiny_model import checkpoint_digest, write_tiny_model
+    from cluster.tiny_model import (
+        SPEC_FILE,
+        checkpoint_digest,
+        is_current,
+        write_tiny_model,
+    )
 
     out = Path(args.out)
     if (out / "config.json").exists() and not args.force:
-        print(f"{out} already holds a model (use --force to rewrite)")
-        return 0
+        if is_current(out, args.fp8):
+            print(f"{out} already holds the model (use --force to rewrite)")
+            return 0
+        if not (out / SPEC_FILE).exists():
+            print(f"{out} holds another model; not overwritten (use --force)")
+            return 1
+        print(f"{out} holds an older tiny model: rewriting it")
     write_tiny_model(out, fp8=args.fp8)
     digest = checkpoint_digest(out)[:16]
     kind = "FP8 (e4m3, per-tensor scales) " if args.fp8 else ""

@@ -22,7 +22,7 @@ from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from cluster import tracing
 from cluster.checkpoint import Checkpoint
 from cluster.tracing import Attr
-from deployments.ingress import resume
+from deployments.ingress import resume, structured
 from deployments.ingress.errors import (
     CLIENT_ERRORS,
     AlreadyInFlight,
@@ -218,6 +218,9 @@ class Frontend:
         migration_limit: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
+        # tool_choice auto needs the tool-call tokens vLLM's parser looks for.
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        self.parses_tool_calls = structured.TOOL_CALLS_BEGIN in vocab
         self.facts = facts
         self.limits = limits
         # (key, its tenants); a bare key allows the default tenant only.

@@ -161,6 +161,7 @@ def engine_request(
         [_tool_json(t, f"tools[{i}]") for i, t in enumerate(req.tools)] or None
     )
     choice = structured.tool_choice(_tool_choice(req, tools), tools)
+    structured.check_parsable(choice, frontend.parses_tool_calls, "tool_mode")
     if tools and kind != "chat":
         raise validation.InvalidRequest("tools", "need chat input")
     if kind == "text":

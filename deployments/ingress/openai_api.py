@@ -275,6 +275,7 @@ def engine_request(
     if kind == "chat":
         tools = structured.tools(req.tools)
         choice = structured.tool_choice(req.tool_choice, tools)
+        structured.check_parsable(choice, frontend.parses_tool_calls, "tool_choice")
         if (forced := structured.constraint(choice, tools)) is not None:
             if constraint is not None:
                 raise validation.InvalidRequest(

@@ -40,6 +40,7 @@ MAX_CONSTRAINT_BYTES = 64 * 1024  # a schema, regex or grammar, as JSON text
 MAX_CHOICES = 256
 MAX_TOOLS = 128
 TOOL_PARSER = "deepseek_v3"
+TOOL_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"  # DeepSeek's, which TOOL_PARSER reads
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule
 
 
@@ -258,6 +259,16 @@ def tool_choice(
     raise InvalidRequest(
         field, "must be 'none', 'auto', 'required' or {'type': 'function', ...}"
     )
+
+
+def check_parsable(choice: ToolChoice, parses_tool_calls: bool, field: str) -> None:
+    """``auto`` needs the model's tokenizer to have DeepSeek's tool-call tokens."""
+    if choice.mode == "auto" and not parses_tool_calls:
+        raise InvalidRequest(
+            field,
+            "tool_choice auto needs DeepSeek's tool-call tokens, which this model's "
+            "tokenizer lacks: name a function or use 'required'",
+        )
 
 
 def constraint(choice: ToolChoice, defined: Sequence[Tool]) -> Structured | None:

@@ -127,3 +127,17 @@ def test_the_fp8_checkpoint_is_vllms_format(tmp_path: Path) -> None:
 
     fp8 = Fp8Config.from_config(config["quantization_config"])
     assert fp8.is_checkpoint_fp8_serialized and fp8.activation_scheme == "dynamic"
+
+
+def test_an_older_tiny_model_is_rewritten_by_the_cli(tmp_path: Path) -> None:
+    from cluster.tiny_model import SPEC_FILE, is_current
+    from deployments.cli import main
+
+    out = tmp_path / "tiny"
+    assert main(["make-tiny-model", "--out", str(out)]) == 0 and is_current(out)
+    spec = json.loads((out / SPEC_FILE).read_text())
+    (out / SPEC_FILE).write_text(json.dumps(spec | {"format": 1}))
+    assert not is_current(out)
+    assert main(["make-tiny-model", "--out", str(out)]) == 0 and is_current(out)
+    (out / SPEC_FILE).unlink()  # someone else's checkpoint: left alone
+    assert main(["make-tiny-model", "--out", str(out)]) == 1

@@ -90,6 +90,7 @@ class Tokenizer:
 
 
 class FakeFrontend:
+    parses_tool_calls = True
     limits = Limits(max_model_len=20, vocab_size=50, max_prompt_bytes=64)
 
     def encode_text(self, text: str) -> list[int]:

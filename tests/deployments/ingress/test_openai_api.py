@@ -137,6 +137,7 @@ def test_shapes() -> None:
 
 
 class FakeFrontend:
+    parses_tool_calls = True
     from deployments.ingress.validation import Limits
 
     limits = Limits(max_model_len=40, vocab_size=50, max_prompt_bytes=64)
@@ -410,3 +411,14 @@ def test_tool_calls_and_logprobs_in_responses() -> None:
         "top_logprobs": [{"é": -0.5, "b": -1.5}, {}],
         "text_offset": [0, 1],
     }
+
+
+def test_auto_tool_choice_needs_the_tool_call_tokens() -> None:
+    frontend = FakeFrontend()
+    frontend.parses_tool_calls = False  # a tokenizer without DeepSeek's tokens
+    with pytest.raises(InvalidRequest) as e:
+        convert("chat", frontend, tools=[WEATHER])
+    assert e.value.field == "tool_choice"
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    _, req, _ = convert("chat", frontend, tools=[WEATHER], tool_choice=named)
+    assert req.sampling.structured is not None  # enforced, not parsed: served
