@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= cluster/configs/tiny-cpu.yaml
 MODEL  := .models/tiny-deepseek-v2
 
-.PHONY: install serve test test-cpu-mla lint unit model proto clean fuzz chaos bench-peers bench-qos bench-kv bench-ep bench-tracing bench-overload bench-resume
+.PHONY: install serve test test-cpu-mla lint unit model proto clean fuzz chaos bench-peers bench-qos bench-kv bench-ep bench-tracing bench-overload bench-resume bench-structured
 
 install: $(STAMP)
 
@@ -82,6 +82,10 @@ bench-overload: model
 # store and without it (~4 min; writes tests/perf/results/resume.{json,md}).
 bench-resume: model
 	$(BIN)/python -m tests.perf.resume
+
+# TPOT and TTFT with and without a JSON-schema constraint (one engine replica).
+bench-structured: model
+	$(BIN)/python -m tests.perf.structured
 
 # Page store: page load bandwidth against memcpy; 512-token prefix TTFT on a second
 # replica with and without the store; a new replica's first TTFT with and without
