@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= cluster/configs/tiny-cpu.yaml
 MODEL  := .models/tiny-deepseek-v2
 
-.PHONY: install serve test test-cpu-mla lint unit model proto clean fuzz chaos bench-peers bench-qos bench-kv bench-ep bench-tracing bench-overload bench-resume bench-structured
+.PHONY: install serve test test-cpu-mla lint unit model proto clean fuzz chaos bench-peers bench-qos bench-kv bench-ep bench-tracing bench-overload bench-resume bench-structured bench-autoscale
 
 install: $(STAMP)
 
@@ -86,6 +86,11 @@ bench-resume: model
 # TPOT and TTFT with and without a JSON-schema constraint (one engine replica).
 bench-structured: model
 	$(BIN)/python -m tests.perf.structured
+
+# A load step through the QoS-aware autoscaler: replicas 1 -> 2 -> 1, realtime
+# TTFT per phase, the time to the new replica serving, failed requests.
+bench-autoscale: model
+	$(BIN)/python -m tests.perf.autoscale
 
 # Page store: page load bandwidth against memcpy; 512-token prefix TTFT on a second
 # replica with and without the store; a new replica's first TTFT with and without

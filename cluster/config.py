@@ -180,6 +180,80 @@ class EngineConfig(_Strict):
         return self.measure_expert_load
 
 
+class AutoscalingSettings(_Strict):
+    """QoS-aware autoscaling of the engine replicas (``router.autoscaling``): on
+    the router's view of the load, not on request counts. Counts are engine
+    replicas, or EP groups when ``expert_parallel.ranks`` > 1."""
+
+    enabled: bool = Field(
+        False, description="Scale the engines between min and max replicas."
+    )
+    min_replicas: int = Field(1, ge=1, description="Never fewer (EP groups).")
+    max_replicas: int = Field(4, ge=1, description="Never more (EP groups).")
+    realtime_slo_ttft_ms: float = Field(
+        500.0,
+        gt=0,
+        description="Scale up when a waiting realtime request's wait plus the "
+        "router's first-token estimate passes this.",
+    )
+    normal_slo_ttft_ms: float = Field(
+        2000.0, gt=0, description="The same for normal requests."
+    )
+    background_max_age_s: float = Field(
+        60.0,
+        gt=0,
+        description="Background traffic alone scales up only once its oldest "
+        "waiting request is this old.",
+    )
+    target_utilization: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="Scale up when more of the replicas' router slots "
+        "(router.max_running_per_replica each) are taken.",
+    )
+    downscale_utilization: float = Field(
+        0.4,
+        gt=0,
+        lt=1,
+        description="Scale down (one replica or group at a time) when nothing "
+        "waits and the requests in flight would take at most this share of one "
+        "replica fewer.",
+    )
+    upscale_delay_s: float = Field(
+        2.0, ge=0, description="Up pressure must last this long."
+    )
+    downscale_delay_s: float = Field(
+        30.0, ge=0, description="An idle stretch must last this long, per step down."
+    )
+    metrics_interval_s: float = Field(
+        1.0,
+        gt=0,
+        description="How often each replica hands Serve the router's view.",
+    )
+    look_back_period_s: float = Field(
+        3.0,
+        gt=0,
+        description="Serve averages each replica's values over this window.",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingSettings:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError("deployment.autoscaling.max_replicas < min_replicas")
+        if self.downscale_utilization >= self.target_utilization:
+            raise ValueError(
+                "deployment.autoscaling.downscale_utilization must be below "
+                "target_utilization (hysteresis)"
+            )
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError(
+                "deployment.autoscaling.look_back_period_s must exceed "
+                "metrics_interval_s"
+            )
+        return self
+
+
 class DeploymentConfig(_Strict):
     num_replicas: int = Field(
         2,
@@ -203,6 +277,10 @@ class DeploymentConfig(_Strict):
     )
     health_check_timeout_s: float = Field(
         30.0, gt=0, description="A health check slower than this fails."
+    )
+    autoscaling: AutoscalingSettings = Field(
+        default_factory=AutoscalingSettings,
+        description="QoS-aware autoscaling; num_replicas is then the initial count.",
     )
     drain_timeout_s: float = Field(
         30.0,

@@ -153,7 +153,7 @@ class DeepSeekRouter:
         and whether Serve is stopping it."""
         self._start()
         draining = self._service.report(report)
-        return ReportAck(self.incarnation, draining)
+        return ReportAck(self.incarnation, draining, self._service.load())
 
     async def serving_changed(
         self, added: list[ReplicaId], removed: list[ReplicaId]

@@ -18,6 +18,7 @@ from cluster.qos import QoS
 from kvstore.directory import Entry
 from kvstore.node_store import Changes
 from router.admission import ClassQueues, Ewma, RateMeter, Waiting
+from router.autoscaling import CLASSES, LoadSignals
 from router.breakers import OPEN, ExpertBreakers, GroupExpertBreaker, ReplicaBreaker
 from router.policies import (
     ExpertAware,
@@ -488,6 +489,28 @@ class RouterCore:
         self.counters.shed[key] = self.counters.shed.get(key, 0) + 1
         return Shed(
             reason, message, self.retry_after(qos) if retry_s is None else retry_s
+        )
+
+    def load_signals(self) -> LoadSignals:
+        """The load as the autoscaler sees it (``router.autoscaling``)."""
+        now = self._clock()
+        waits = []
+        for q in CLASSES:
+            oldest = next(self.queues.waiting(q), None)
+            waits.append(now - oldest.submitted_at if oldest else 0.0)
+        serving = [
+            r for r in self.replicas.values() if not r.draining and r.breaker.allows()
+        ]
+        return LoadSignals(
+            queued=tuple(self.queues.depth(q) for q in CLASSES),  # type: ignore[arg-type]
+            oldest_wait_s=tuple(waits),  # type: ignore[arg-type]
+            ttft_estimate_s=self._ttft.value,
+            running=tuple(  # type: ignore[arg-type]
+                sum(r.running_of(q) for r in serving) for q in CLASSES
+            ),
+            slots=len(serving) * self.config.max_running_per_replica,
+            serving=len(serving),
+            shed_total=sum(self.counters.shed.values()),
         )
 
     def snapshot(self) -> RouterStats:

@@ -115,6 +115,10 @@ class RouterService:
         self.pump()
         return draining
 
+    def load(self) -> dict[str, float]:
+        """The load signals for the autoscaler, as flat metrics."""
+        return self.core.load_signals().as_metrics()
+
     def serving_changed(
         self, added: Iterable[ReplicaId], removed: Iterable[ReplicaId]
     ) -> None:

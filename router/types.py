@@ -69,6 +69,9 @@ class ReportAck:
 
     incarnation: str  # changes when the router restarts: resend everything
     draining: bool = False  # Serve is stopping the replica: finish or hand off
+    # The router's view of the load (``LoadSignals.as_metrics``), which the
+    # replica hands Serve's autoscaler.
+    load: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

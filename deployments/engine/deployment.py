@@ -96,6 +96,7 @@ class EngineServer:
             endpoint, listen = kv_events.rank_endpoints(replica_id, rank)
         self._kv_endpoint = endpoint
         self._tasks: list[asyncio.Task[None]] = []
+        self._reporter: Reporter | None = None
         store, socket = None, None
         if config.kvstore.enabled:
             store, socket = await _node_store(config)
@@ -132,6 +133,7 @@ class EngineServer:
                 interval_s=config.router.report_interval_s,
                 on_draining=self._draining,
             )
+            self._reporter = reporter
             self._tasks += [
                 loop.create_task(listener.run()),
                 loop.create_task(reporter.run()),
@@ -253,6 +255,12 @@ class EngineServer:
 
     async def check_health(self) -> None:
         await asyncio.wait_for(self._engine.check_health(), timeout=10)
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """What Serve's autoscaler gets from this replica (deployment.autoscaling):
+        the router's view of the load in its last answer to this replica's
+        report (``router.autoscaling.LoadSignals``); nothing before the first."""
+        return dict(self._reporter.load) if self._reporter is not None else {}
 
     def __del__(self) -> None:
         # Its loops first: a poll of an engine already shut down only logs noise.

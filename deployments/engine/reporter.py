@@ -58,6 +58,8 @@ class Reporter:
         # (True), or no longer (False).
         self._on_draining = on_draining
         self._draining = False
+        # The router's view of the load in its last answer (for the autoscaler).
+        self.load: dict[str, float] = {}
 
     async def run(self) -> None:
         import ray.exceptions
@@ -100,6 +102,7 @@ class Reporter:
             # or restarted since) gets them all in the next report.
             self._resend_all = ack.incarnation != self._router_incarnation and not full
             self._router_incarnation = ack.incarnation
+            self.load = ack.load
             if ack.draining != self._draining:
                 self._draining = ack.draining
                 self._on_draining(ack.draining)

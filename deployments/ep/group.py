@@ -132,6 +132,9 @@ def engine_options(config: ClusterConfig, env: dict[str, str]) -> dict[str, Any]
         "graceful_shutdown_wait_loop_s": DRAIN_CHECK_S,
         "ray_actor_options": actor,
     }
+    if d.autoscaling.enabled:
+        del options["num_replicas"]
+        options["autoscaling_config"] = autoscaling_config(config)
     if ep.enabled:
         from ray.serve.config import (
             GangPlacementStrategy,
@@ -145,6 +148,40 @@ def engine_options(config: ClusterConfig, env: dict[str, str]) -> dict[str, Any]
             runtime_failure_policy=GangRuntimeFailurePolicy.RESTART_GANG,
         )
     return options
+
+
+def autoscaling_config(config: ClusterConfig) -> dict[str, Any]:
+    """Serve's autoscaling config of the engine deployment: the QoS-aware policy
+    (``router.autoscaling``) decides, in Serve replicas (ranks), by whole EP
+    groups; its own delays, so Serve adds none."""
+    from router.autoscaling import POLICY_FUNCTION
+
+    d, ranks = config.deployment, config.expert_parallel.ranks
+    a = d.autoscaling
+    low, high = a.min_replicas * ranks, a.max_replicas * ranks
+    kwargs = {
+        "min_replicas": low,
+        "max_replicas": high,
+        "unit": ranks,
+        "slo_ttft_s": [a.realtime_slo_ttft_ms / 1000, a.normal_slo_ttft_ms / 1000],
+        "background_max_age_s": a.background_max_age_s,
+        "target_utilization": a.target_utilization,
+        "downscale_utilization": a.downscale_utilization,
+        "upscale_delay_s": a.upscale_delay_s,
+        "downscale_delay_s": a.downscale_delay_s,
+    }
+    return {
+        "min_replicas": low,
+        "max_replicas": high,
+        "initial_replicas": min(max(d.num_replicas * ranks, low), high),
+        "upscale_delay_s": 0.0,
+        "downscale_delay_s": 0.0,
+        # Serve 2.60's only per-deployment push interval (deprecated in favour of
+        # a process-wide environment variable).
+        "metrics_interval_s": a.metrics_interval_s,
+        "look_back_period_s": a.look_back_period_s,
+        "policy": {"policy_function": POLICY_FUNCTION, "policy_kwargs": kwargs},
+    }
 
 
 def gpu_engine_kwargs(config: ClusterConfig) -> dict[str, Any]:

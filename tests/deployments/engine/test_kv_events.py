@@ -104,6 +104,7 @@ class FakeRouter:
     def __init__(self) -> None:
         self.incarnation = "one"
         self.draining = False
+        self.load: dict[str, float] = {}
         self.reports: list[ReplicaReport] = []
         self.fail = False
         outer = self
@@ -114,7 +115,7 @@ class FakeRouter:
                     if outer.fail:
                         raise RuntimeError("restarting")
                     outer.reports.append(report)
-                    return ReportAck(outer.incarnation, outer.draining)
+                    return ReportAck(outer.incarnation, outer.draining, outer.load)
 
                 return answer()
 
@@ -209,3 +210,24 @@ def test_the_listener_reports_its_engines_blocks_and_resends_them_all() -> None:
     listener.apply([KVEvent("cleared")])
     assert listener.drain() == (KVEvent("cleared"),)
     assert listener.drain(full=True) == (KVEvent("cleared"), KVEvent("stored", ()))
+
+
+async def test_reporter_keeps_the_routers_load_view_for_the_autoscaler() -> None:
+    router = FakeRouter()
+    reporter = Reporter(
+        "r1",
+        progress=lambda: (),
+        tokens_generated=lambda: 0,
+        connect=lambda: router,
+        interval_s=0.01,
+    )
+    assert reporter.load == {}
+    router.load = {"queued_realtime": 3.0}
+    task = asyncio.create_task(reporter.run())
+    try:
+        while not router.reports:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.03)
+        assert reporter.load == {"queued_realtime": 3.0}
+    finally:
+        task.cancel()

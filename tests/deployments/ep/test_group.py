@@ -135,3 +135,55 @@ def test_expert_load_window_rolls() -> None:
     assert w.snapshot(120.0).counts == ((0, 0, 0), (0, 0, 0))
     with pytest.raises(ValueError):
         w.add(121.0, [[1, 1, 1]])
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_autoscaling_is_serves_config_with_the_qos_policy_in_whole_groups(
+    ranks: int,
+) -> None:
+    import warnings
+
+    from ray import serve
+    from ray.serve.config import AutoscalingConfig
+
+    from router.autoscaling import POLICY_FUNCTION, policy_of
+
+    scaling = {"enabled": True, "min_replicas": 1, "max_replicas": 3}
+    config = ClusterConfig.model_validate(
+        {
+            "deployment": {"num_replicas": 2, "autoscaling": scaling},
+            "engine": {"enforce_eager": True},
+            "expert_parallel": {"ranks": ranks},
+        }
+    )
+    opts = engine_options(config, {})
+    assert "num_replicas" not in opts
+    with warnings.catch_warnings():  # metrics_interval_s: Serve 2.60's only knob
+        warnings.simplefilter("ignore", DeprecationWarning)
+        parsed = AutoscalingConfig(**opts["autoscaling_config"])
+        # Serve takes the whole option set (gang options included).
+        serve.deployment(lambda: None).options(**opts)
+    assert (parsed.min_replicas, parsed.max_replicas) == (ranks, 3 * ranks)
+    assert parsed.initial_replicas == 2 * ranks
+    assert parsed.upscale_delay_s == parsed.downscale_delay_s == 0
+    assert parsed.policy.policy_function == POLICY_FUNCTION
+    assert callable(parsed.policy.get_policy()(**parsed.policy.policy_kwargs))
+    policy = policy_of(parsed.policy.policy_kwargs)
+    assert (policy.unit, policy.min_replicas, policy.max_replicas) == (
+        ranks,
+        ranks,
+        3 * ranks,
+    )
+    assert policy.slo_ttft_s == (0.5, 2.0)
+
+
+def test_autoscaling_settings_are_checked() -> None:
+    from pydantic import ValidationError
+
+    for bad in (
+        {"min_replicas": 3, "max_replicas": 2},
+        {"target_utilization": 0.5, "downscale_utilization": 0.6},
+        {"metrics_interval_s": 5, "look_back_period_s": 3},
+    ):
+        with pytest.raises(ValidationError, match="autoscaling"):
+            ClusterConfig.model_validate({"deployment": {"autoscaling": bad}})
