@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= cluster/configs/tiny-cpu.yaml
 MODEL  := .models/tiny-deepseek-v2
 
-.PHONY: install serve test test-cpu-mla lint unit model proto clean fuzz chaos bench-peers bench-qos bench-kv bench-ep bench-tracing bench-overload bench-resume bench-structured bench-autoscale
+.PHONY: install serve test test-cpu-mla lint unit model proto clean fuzz chaos bench-peers bench-qos bench-kv bench-ep bench-tracing bench-overload bench-resume bench-structured bench-autoscale k8s
 
 install: $(STAMP)
 
@@ -21,6 +21,13 @@ $(STAMP): pyproject.toml
 
 model: install
 	$(BIN)/moe-cluster make-tiny-model --out $(MODEL)
+
+# The KubeRay RayService manifests, rendered from the configs (a test checks
+# that the committed ones are current).
+K8S_CONFIGS := tiny-cpu deepseek-v2-lite-gpu deepseek-v3-wide-ep
+k8s: install
+	for c in $(K8S_CONFIGS); do \
+	  $(BIN)/moe-cluster k8s --config cluster/configs/$$c.yaml --out k8s/$$c.yaml; done
 
 serve: model
 	$(BIN)/moe-cluster serve --config $(CONFIG)

@@ -654,6 +654,90 @@ class TracingConfig(_Strict):
     )
 
 
+class WorkerGroup(_Strict):
+    """A KubeRay worker group: pods of one shape the autoscaler adds and removes."""
+
+    name: str = Field(min_length=1, description="groupName.")
+    replicas: int = Field(1, ge=0, description="Pods (or pod sets) at start.")
+    min_replicas: int = Field(0, ge=0, description="Fewest the autoscaler keeps.")
+    max_replicas: int = Field(1, ge=1, description="Most the autoscaler adds.")
+    num_of_hosts: int = Field(
+        1, ge=1, description="Pods per replica (a multi-host group, e.g. wide EP)."
+    )
+    cpu: str = Field("4", description="CPU request and limit (a k8s quantity).")
+    memory: str = Field("16Gi", description="Memory request and limit.")
+    gpus: int = Field(0, ge=0, description="nvidia.com/gpu per pod.")
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Pod nodeSelector."
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> WorkerGroup:
+        if not self.min_replicas <= self.replicas <= self.max_replicas:
+            raise ValueError(
+                f"kubernetes.worker_groups[{self.name}]: need min_replicas <= "
+                "replicas <= max_replicas"
+            )
+        return self
+
+
+class KubernetesConfig(_Strict):
+    """What `moe-cluster k8s` renders into a KubeRay RayService (the rest of the
+    config becomes its serveConfigV2)."""
+
+    name: str = Field("moe-cluster", min_length=1, description="RayService name.")
+    namespace: str = Field("default", min_length=1)
+    image: str = Field(
+        "moe-cluster:0.1.0-cpu",
+        description="Ray 2.60 image with this package and its pinned extras "
+        "installed (k8s/Dockerfile builds it).",
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    model_path: str | None = Field(
+        None,
+        description="model.path inside the pods (None: model.path as given).",
+    )
+    model_volume_claim: str | None = Field(
+        None,
+        description="PersistentVolumeClaim mounted read-only at model_path's "
+        "directory (the checkpoint); None: the image or build_tiny_if_missing "
+        "provides it.",
+    )
+    head_cpu: str = Field("2", description="Head pod CPU (it runs no engine).")
+    head_memory: str = Field("8Gi", description="Head pod memory.")
+    worker_groups: list[WorkerGroup] = Field(
+        default_factory=lambda: [
+            WorkerGroup(name="cpu", replicas=1, min_replicas=1, max_replicas=2)
+        ],
+        min_length=1,
+    )
+    object_store_memory_bytes: int = Field(
+        2 << 30,
+        gt=0,
+        description="Ray's object store per pod; /dev/shm holds it and the page "
+        "store's arena (kvstore.capacity_bytes).",
+    )
+    api_keys_secret: str | None = Field(
+        "moe-cluster-api-keys",
+        description="Secret whose key 'api-keys' holds server.api_keys as JSON "
+        "(MOE_CLUSTER_API_KEYS in every pod); None: the config's own keys.",
+    )
+    otel_exporter_otlp_endpoint: str | None = Field(
+        None, description="OTEL_EXPORTER_OTLP_ENDPOINT of every pod (traces on)."
+    )
+    autoscaler_idle_timeout_s: int = Field(
+        60, ge=0, description="A pod idle this long is removed."
+    )
+    autoscaler_upscaling_mode: Literal["Conservative", "Default", "Aggressive"] = (
+        "Default"
+    )
+    upgrade_strategy: Literal["NewCluster", "None"] = Field(
+        "NewCluster",
+        description="A changed cluster spec starts a new RayCluster and moves "
+        "traffic once it serves (None: update in place).",
+    )
+
+
 class ClusterConfig(_Strict):
     """Everything `moe-cluster serve` needs."""
 
@@ -665,6 +749,7 @@ class ClusterConfig(_Strict):
     kvstore: KVStoreConfig = Field(default_factory=KVStoreConfig)
     expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
     tracing: TracingConfig = Field(default_factory=TracingConfig)
+    kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
 
     @model_validator(mode="after")
     def _expert_parallel(self) -> ClusterConfig:

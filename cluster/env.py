@@ -17,6 +17,9 @@ class Env:
     # PYTHONHASHSEED: vLLM seeds its prefix block hashes with it when set, so the
     # ingress's hashes (kvstore.block_hash) must too. None: unset.
     python_hash_seed: str | None = None
+    # server.api_keys, where the app is built from a declarative
+    # config (a RayService from a Secret): JSON, as server.api_keys. "": none.
+    api_keys_json: str = ""
 
 
 def read_env() -> Env:
@@ -26,4 +29,5 @@ def read_env() -> Env:
         api_key=os.environ.get("MOE_CLUSTER_API_KEY", default.api_key),
         config=os.environ.get("MOE_CLUSTER_CONFIG", default.config),
         python_hash_seed=os.environ.get("PYTHONHASHSEED"),
+        api_keys_json=os.environ.get("MOE_CLUSTER_API_KEYS", ""),
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ from ray.serve.config import HTTPOptions, RequestRouterConfig, gRPCOptions
 from ray.serve.deployment import Application
 
 from cluster.config import ClusterConfig
+from cluster.env import read_env
 from cluster.tiny_model import write_tiny_model
 from deployments.engine.args import engine_env
 from deployments.engine.deployment import EngineDeployment
@@ -58,7 +60,14 @@ def build_app(config: ClusterConfig) -> Application:
 def app_builder(args: dict[str, Any]) -> Application:
     """Entry for `serve run` / RayService `import_path: deployments.app:app_builder`;
     ``args`` is the ClusterConfig mapping."""
-    return build_app(prepare_model(ClusterConfig.model_validate(args)))
+    config = ClusterConfig.model_validate(args)
+    if keys := read_env().api_keys_json:
+        # From a Secret (the RayService's pods): never in the manifest itself.
+        server = config.server.model_validate(
+            config.server.model_dump() | {"api_keys": json.loads(keys)}
+        )
+        config = config.model_copy(update={"server": server})
+    return build_app(prepare_model(config))
 
 
 def deploy(config: ClusterConfig, *, external_scaler: bool = False) -> None:

@@ -178,6 +178,19 @@ def cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_k8s(args: argparse.Namespace) -> int:
+    from deployments import k8s
+
+    config = load_config(args.config)
+    text = k8s.render(config, args.config)
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}")
+    else:
+        print(text, end="")
+    return 0
+
+
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from cluster.tiny_model import (
         SPEC_FILE,
@@ -248,6 +261,13 @@ def parser() -> argparse.ArgumentParser:
     from deployments.bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)
+
+    k = sub.add_parser(
+        "k8s", help="render the KubeRay RayService of a config (to stdout or --out)"
+    )
+    k.add_argument("--config", default=str(DEFAULT_CONFIG))
+    k.add_argument("--out", help="write the manifest here")
+    k.set_defaults(func=cmd_k8s)
 
     m = sub.add_parser("make-tiny-model", help="write the built-in tiny checkpoint")
     m.add_argument("--out", default=DEFAULT_TINY_MODEL_DIR)

@@ -286,11 +286,18 @@ HTTP_CASES: list[tuple[str, str, Any, int, str | None]] = [
         "body",
     ),
     (
-        "response_format (not served)",
+        "a field this server does not know",
         "chat/completions",
-        CHAT | {"response_format": {"type": "json_object"}},
+        CHAT | {"functions": [{"name": "f"}]},
         400,
-        "response_format",
+        "functions",
+    ),
+    (
+        "response_format of an unknown type",
+        "chat/completions",
+        CHAT | {"response_format": {"type": "xml"}},
+        400,
+        "response_format.type",
     ),
     (
         "invalid UTF-8 body",
