@@ -33,7 +33,7 @@ def test_a_load_step_scales_one_replica_to_two_and_back(scaled_app: Served) -> N
     try:
         autoscale._one(client, "first", 0, autoscale.StepRun())  # puts HOT in the store
         slots = scaled_app.config.router.max_running_per_replica
-        run = autoscale.run_step(client, app, 2 * slots, settle_s=2, limit_s=120)
+        run = autoscale.run_step(client, app, 2 * slots, settle_s=2, limit_s=180)
     finally:
         client.close()
     result = autoscale.summary(run)

@@ -49,6 +49,9 @@ def settings(model: str, app: str, slots: int = 4) -> dict[str, Any]:
             "kv_cache_memory_bytes": 256 << 20,
             "max_num_seqs": 16,
             "omp_num_threads": 1,
+            # As `make serve`: no torch.compile at start (on two busy cores it
+            # took a starting replica ~50 s).
+            "enforce_eager": True,
         },
         "deployment": {
             "num_replicas": 1,
