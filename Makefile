@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= cluster/configs/tiny-cpu.yaml
 MODEL  := .models/tiny-deepseek-v2
 
-.PHONY: install serve test test-cpu-mla lint unit model proto clean fuzz chaos bench-peers bench-qos bench-kv bench-ep bench-tracing bench-overload bench-resume bench-structured bench-autoscale k8s
+.PHONY: install serve test test-cpu-mla lint unit model proto clean fuzz chaos bench-peers bench-qos bench-kv bench-ep bench-tracing bench-overload bench-resume bench-structured bench-autoscale bench-autoscale-ep k8s
 
 install: $(STAMP)
 
@@ -98,6 +98,10 @@ bench-structured: model
 # TTFT per phase, the time to the new replica serving, failed requests.
 bench-autoscale: model
 	$(BIN)/python -m tests.perf.autoscale
+
+# The same with EP groups of 2 ranks on an in-process 2-node cluster (1 -> 2 groups).
+bench-autoscale-ep: model
+	$(BIN)/python -m tests.ep.autoscale_two_nodes $(MODEL) | grep -E '^(phase|result)'
 
 # Page store: page load bandwidth against memcpy; 512-token prefix TTFT on a second
 # replica with and without the store; a new replica's first TTFT with and without

@@ -141,9 +141,12 @@ def run_step(
     *,
     settle_s: float = 10.0,
     limit_s: float = 180.0,
+    start_replicas: int = 1,
     log: Callable[[str], None] = print,
 ) -> StepRun:
-    """Drives the four phases; each ends on its condition or at ``limit_s``."""
+    """Drives the four phases; each ends on its condition or at ``limit_s``.
+    ``start_replicas``: the Serve replicas serving at the start (an EP group's
+    ranks each serve)."""
     run = StepRun()
     t0 = run.t0
     stop = threading.Event()
@@ -181,14 +184,14 @@ def run_step(
         log(f"phase {name}: {time.monotonic() - start:.1f} s")
 
     def new_replica_served() -> bool:
-        # The step starts on one replica: a second one has served.
-        return len({r.replica for r in run.records if r.replica}) >= 2
+        served = {r.replica for r in run.records if r.replica}
+        return len(served) > start_replicas
 
     try:
         phase_until("idle", 0, lambda: False, 2.0)
         phase_until("step", streams, new_replica_served, limit_s)
         phase_until("settled", streams, lambda: False, settle_s)
-        phase_until("back", 1, lambda: engine_replicas(app) == 1, limit_s)
+        phase_until("back", 1, lambda: engine_replicas(app) == start_replicas, limit_s)
     finally:
         stop.set()
         for t in threads:
@@ -196,7 +199,7 @@ def run_step(
     return run
 
 
-def summary(run: StepRun) -> dict[str, Any]:
+def summary(run: StepRun, start_replicas: int = 1) -> dict[str, Any]:
     """Per-phase realtime TTFT, the time from the step to the new replica's
     first token, and the first TTFTs of the old and the new replica."""
     out: dict[str, Any] = {"phases": {}, "failed": len(run.failed())}
@@ -222,8 +225,8 @@ def summary(run: StepRun) -> dict[str, Any]:
         if r.replica:
             first_by.setdefault(r.replica, r)
     firsts = list(first_by.values())
-    if len(firsts) >= 2:
-        old, n = firsts[0], firsts[1]
+    if len(firsts) > start_replicas:
+        old, n = firsts[0], firsts[start_replicas]
         out["step_to_new_replica_s"] = round(n.sent_at + (n.ttft_s or 0) - step_at, 2)
         first_ms = round((n.ttft_s or 0) * 1e3)
         out["new_replica_first"] = {"ttft_ms": first_ms, "cached": n.cached}
