@@ -6,7 +6,7 @@ each group's ranks spread one per node (``make bench-autoscale-ep``).
 
 Each node has 2 CPUs and 2 units of ``accel``; a rank takes one CPU and one
 ``accel``, so two groups fit. Prints the phases as ``tests/perf/autoscale.py``
-does, with the Serve replica (rank) count over time.
+does, with the rank counts seen; writes ``tests/perf/results/autoscale_ep.json``.
 """
 
 from __future__ import annotations
@@ -59,6 +59,9 @@ def main(model: str) -> None:
         result = autoscale.summary(run, start_replicas=2)
         result["rank_counts"] = sorted({n for _, n in run.replicas})
         print("result", json.dumps(result), flush=True)
+        (autoscale.RESULTS / "autoscale_ep.json").write_text(
+            json.dumps(result, indent=2) + "\n"
+        )
     finally:
         serve.shutdown()
         router_actor.kill(APP)

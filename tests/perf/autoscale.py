@@ -192,6 +192,7 @@ def run_step(
         phase_until("step", streams, new_replica_served, limit_s)
         phase_until("settled", streams, lambda: False, settle_s)
         phase_until("back", 1, lambda: engine_replicas(app) == start_replicas, limit_s)
+        run.replicas.append((time.monotonic() - t0, engine_replicas(app)))
     finally:
         stop.set()
         for t in threads:
