@@ -284,42 +284,23 @@ def _structured(s: pb.SamplingParams) -> Structured:
 def _chat_prompt(
     chat: pb.Chat, frontend: Frontend, tools: tuple[structured.Tool, ...]
 ) -> list[int]:
-    limits = frontend.limits
     if not chat.messages:
         raise validation.InvalidRequest("chat.messages", "must not be empty")
-    messages: list[dict[str, Any]] = []
-    size = 0
     for i, m in enumerate(chat.messages):
-        where = f"chat.messages[{i}]"
         if m.role not in CHAT_ROLES:
             raise validation.InvalidRequest(
-                f"{where}.role", f"must be one of {', '.join(CHAT_ROLES)}"
+                f"chat.messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}"
             )
-        validation.prompt_text(m.content or " ", limits, f"{where}.content")
-        size += len(m.content.encode("utf-8"))
-        message: dict[str, Any] = {"role": m.role, "content": m.content}
-        if m.tool_calls:
-            if m.role != "assistant":
-                raise validation.InvalidRequest(
-                    f"{where}.tool_calls", "only an assistant message has them"
-                )
-            message["tool_calls"] = [
-                {
-                    "id": c.id,
-                    "type": "function",
-                    "function": {"name": c.name, "arguments": c.arguments},
-                }
-                for c in m.tool_calls
-            ]
-            size += sum(len(c.arguments.encode("utf-8")) for c in m.tool_calls)
-        if m.role == "tool" and not m.tool_call_id:
-            raise validation.InvalidRequest(f"{where}.tool_call_id", "is required")
-        messages.append(message)
-    if size > limits.max_prompt_bytes:
-        raise validation.InvalidRequest(
-            "chat.messages",
-            f"are {size} bytes; the limit is {limits.max_prompt_bytes}",
+    turns = [
+        structured.ChatTurn(
+            m.role,
+            m.content,
+            tuple((c.id, c.name, c.arguments) for c in m.tool_calls),
+            m.tool_call_id,
         )
+        for m in chat.messages
+    ]
+    messages = structured.chat_messages(turns, frontend.limits, "chat.messages")
     rendered = [t.openai() for t in tools] or None
     return frontend.encode_chat(messages, "chat.messages", rendered)
 

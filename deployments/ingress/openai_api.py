@@ -329,35 +329,19 @@ def _chat_prompt(
     frontend: Frontend,
     tools: tuple[structured.Tool, ...] = (),
 ) -> list[int]:
-    limits = frontend.limits
-    messages: list[dict[str, Any]] = []
-    size = 0
-    for i, m in enumerate(req.messages):
-        text = m.text()
-        where = f"messages[{i}]"
-        # Empty turns are fine; their text is checked like any prompt's.
-        validation.prompt_text(text or " ", limits, f"{where}.content")
-        size += len(text.encode("utf-8"))
-        role = "system" if m.role == "developer" else m.role
-        message: dict[str, Any] = {"role": role, "content": text}
-        if m.tool_calls:
-            if m.role != "assistant":
-                raise validation.InvalidRequest(
-                    f"{where}.tool_calls", "only an assistant message has them"
-                )
-            for j, call in enumerate(m.tool_calls):
-                validation.utf8(
-                    call.function.arguments, f"{where}.tool_calls[{j}].arguments"
-                )
-                size += len(call.function.arguments.encode("utf-8"))
-            message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
-        if m.role == "tool" and not m.tool_call_id:
-            raise validation.InvalidRequest(f"{where}.tool_call_id", "is required")
-        messages.append(message)
-    if size > limits.max_prompt_bytes:
-        raise validation.InvalidRequest(
-            "messages", f"are {size} bytes; the limit is {limits.max_prompt_bytes}"
+    turns = [
+        structured.ChatTurn(
+            "system" if m.role == "developer" else m.role,
+            m.text(),
+            tuple(
+                (c.id, c.function.name, c.function.arguments)
+                for c in m.tool_calls or ()
+            ),
+            m.tool_call_id or "",
         )
+        for m in req.messages
+    ]
+    messages = structured.chat_messages(turns, frontend.limits, "messages")
     rendered = [t.openai() for t in tools] or None
     return frontend.encode_chat(messages, "messages", rendered)
 

@@ -27,7 +27,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from deployments.ingress.validation import InvalidRequest, utf8
+from deployments.ingress.validation import InvalidRequest, Limits, prompt_text, utf8
 from deployments.protocol import (
     EngineEvent,
     Finish,
@@ -162,6 +162,58 @@ def response_format(value: Any, field: str = "response_format") -> Structured | 
     if "schema" not in spec:
         raise InvalidRequest(f"{where}.schema", "is required")
     return json_schema(spec["schema"], f"{where}.schema", bool(strict))
+
+
+# -- chat turns ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTurn:
+    """One message of a chat, as either protocol spells it."""
+
+    role: str  # system, user, assistant or tool
+    text: str
+    tool_calls: tuple[tuple[str, str, str], ...] = ()  # an assistant's (id, name, args)
+    tool_call_id: str = ""  # the call a tool message answers
+
+
+def chat_messages(
+    turns: Sequence[ChatTurn], limits: Limits, field: str
+) -> list[dict[str, Any]]:
+    """The chat template's messages: each turn's text checked like a prompt's
+    (empty turns are fine), tool calls on assistant turns only, every tool result
+    naming its call, and the whole within ``limits.max_prompt_bytes``."""
+    messages: list[dict[str, Any]] = []
+    size = 0
+    for i, turn in enumerate(turns):
+        where = f"{field}[{i}]"
+        prompt_text(turn.text or " ", limits, f"{where}.content")
+        size += len(turn.text.encode("utf-8"))
+        message: dict[str, Any] = {"role": turn.role, "content": turn.text}
+        if turn.tool_calls:
+            if turn.role != "assistant":
+                raise InvalidRequest(
+                    f"{where}.tool_calls", "only an assistant message has them"
+                )
+            for j, (_, _, args) in enumerate(turn.tool_calls):
+                utf8(args, f"{where}.tool_calls[{j}].arguments")
+                size += len(args.encode("utf-8"))
+            message["tool_calls"] = [
+                {
+                    "id": cid,
+                    "type": "function",
+                    "function": {"name": name, "arguments": args},
+                }
+                for cid, name, args in turn.tool_calls
+            ]
+        if turn.role == "tool" and not turn.tool_call_id:
+            raise InvalidRequest(f"{where}.tool_call_id", "is required")
+        messages.append(message)
+    if size > limits.max_prompt_bytes:
+        raise InvalidRequest(
+            field, f"are {size} bytes; the limit is {limits.max_prompt_bytes}"
+        )
+    return messages
 
 
 # -- tools ---------------------------------------------------------------------

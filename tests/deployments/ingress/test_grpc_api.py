@@ -96,6 +96,12 @@ class FakeFrontend:
     def encode_text(self, text: str) -> list[int]:
         return Tokenizer().encode(text)
 
+    def encode_chat(
+        self, messages: list[dict[str, Any]], field: str, tools: Any = None
+    ) -> list[int]:
+        self.seen = (messages, tools)
+        return [0] + [t for m in messages for t in self.encode_text(m["content"])]
+
 
 def convert(req: pb.GenerateRequest) -> Any:
     return grpc_api.engine_request(req, FakeFrontend())  # type: ignore[arg-type]
@@ -141,6 +147,64 @@ def test_unset_fields_take_defaults() -> None:
     ],
 )
 def test_bad_requests_name_the_field(req: pb.GenerateRequest, field: str) -> None:
+    with pytest.raises(InvalidRequest) as e:
+        convert(req)
+    assert e.value.field == field
+
+
+WEATHER = pb.Tool(
+    name="get_weather",
+    parameters_json='{"type": "object", "properties": {"city": {"type": "string"}}}',
+)
+
+
+def test_chat_input_with_tools_and_their_history() -> None:
+    frontend = FakeFrontend()
+    call = pb.ToolCall(id="c1", name="get_weather", arguments='{"city": "P"}')
+    req = pb.GenerateRequest(
+        chat=pb.Chat(
+            messages=[
+                pb.ChatMessage(role="user", content="ab"),
+                pb.ChatMessage(role="assistant", tool_calls=[call]),
+                pb.ChatMessage(role="tool", content="c", tool_call_id="c1"),
+            ]
+        ),
+        tools=[WEATHER],
+        sampling=pb.SamplingParams(max_tokens=3, logprobs=2),
+    )
+    engine_req, _, choice = grpc_api.engine_request(req, frontend)  # type: ignore[arg-type]
+    messages, tools = frontend.seen
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
+    assert messages[1]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert tools[0]["function"]["name"] == "get_weather"
+    assert choice.mode == "auto" and engine_req.tool_parser == "deepseek_v3"
+    assert engine_req.prompt_token_ids == (0, 47, 48, 49)
+    assert engine_req.sampling.logprobs == 2
+    named = pb.GenerateRequest(
+        chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="ab")]),
+        tools=[WEATHER],
+        tool_function="get_weather",
+    )
+    engine_req, _, choice = grpc_api.engine_request(named, frontend)  # type: ignore[arg-type]
+    assert choice.name == "get_weather" and engine_req.sampling.structured is not None
+
+
+@pytest.mark.parametrize(
+    ("messages", "field"),
+    [
+        ([pb.ChatMessage(role="robot", content="x")], "chat.messages[0].role"),
+        ([pb.ChatMessage(role="tool", content="x")], "chat.messages[0].tool_call_id"),
+        (
+            [pb.ChatMessage(role="user", tool_calls=[pb.ToolCall(id="c", name="f")])],
+            "chat.messages[0].tool_calls",
+        ),
+        ([], "chat.messages"),
+    ],
+)
+def test_bad_chat_messages_name_the_field(
+    messages: list[pb.ChatMessage], field: str
+) -> None:
+    req = pb.GenerateRequest(chat=pb.Chat(messages=messages))
     with pytest.raises(InvalidRequest) as e:
         convert(req)
     assert e.value.field == field
