@@ -10,7 +10,8 @@ values, aggregated over its look-back window (``ctx.aggregated_metrics``).
 
 ``decide`` scales up when realtime or normal traffic would miss its TTFT SLO
 (the oldest waiter's wait plus the router's first-token estimate, against the
-class's SLO) or the slots in use pass ``target_utilization``; background traffic
+class's SLO), when the router shed realtime or normal work since the last
+decision, or when the slots in use pass ``target_utilization``; background traffic
 alone scales up only when its oldest request has waited ``background_max_age_s``.
 It scales down, one unit at a time, when nothing waits and the work in flight
 would fit in one unit fewer at ``downscale_utilization``. Each direction must hold
@@ -40,7 +41,7 @@ class LoadSignals:
     running: tuple[int, int, int]  # requests on serving replicas, per class
     slots: int  # requests the serving replicas may run at once
     serving: int  # replicas that take work (not draining, breaker not open)
-    shed_total: int  # requests refused since the router started
+    shed: tuple[int, int, int]  # requests refused since the router started
 
     def as_metrics(self) -> dict[str, float]:
         """Flat numbers, as Serve's ``record_autoscaling_stats`` takes them."""
@@ -69,7 +70,7 @@ class LoadSignals:
                 running=tuple(round(v) for v in per_class("running")),
                 slots=round(m["slots"]),
                 serving=round(m["serving"]),
-                shed_total=round(m["shed_total"]),
+                shed=tuple(round(v) for v in per_class("shed")),
             )
         except KeyError:
             return None
@@ -110,11 +111,15 @@ class Decision:
     reason: str  # why (e.g. "realtime_slo", "idle", "hold")
     up_since: float | None = None  # when the current up pressure began
     down_since: float | None = None  # when the current idle stretch began
+    shed_seen: int = 0  # realtime and normal requests shed by then
 
 
-def pressure(s: LoadSignals, current: int, p: ScalePolicy) -> tuple[str, int]:
+def pressure(
+    s: LoadSignals, current: int, p: ScalePolicy, shed_seen: int | None = None
+) -> tuple[str, int]:
     """Why more replicas are needed now, and how many in all ("" and ``current``
-    when none are)."""
+    when none are). ``shed_seen``: realtime and normal sheds counted before
+    (None: unknown); more since is pressure too."""
     per_replica = s.slots / max(s.serving, 1) if s.slots else 0
     running = sum(s.running)
     demand = running + s.queued[0] + s.queued[1]
@@ -129,6 +134,10 @@ def pressure(s: LoadSignals, current: int, p: ScalePolicy) -> tuple[str, int]:
         predicted = s.oldest_wait_s[i] + s.ttft_estimate_s
         if s.queued[i] and predicted > p.slo_ttft_s[i]:
             return f"{q.name.lower()}_slo", max(fit, current + p.unit)
+    if shed_seen is not None and s.shed[0] + s.shed[1] > shed_seen:
+        # The router refused realtime or normal work (a full queue, a deadline
+        # it could not meet): more replicas would have taken it.
+        return "shed", max(fit, current + p.unit)
     # Busy slots count once realtime or normal work shares them: background
     # alone scales by the age of its backlog only.
     interactive = s.running[0] + s.running[1] + s.queued[0] + s.queued[1]
@@ -166,19 +175,24 @@ def decide(
         return Decision(current, "no_signals")
     up_since = previous.up_since if previous else None
     down_since = previous.down_since if previous else None
-    reason, wanted = pressure(s, current, p)
+    shed = s.shed[0] + s.shed[1]
+    # Sheds count from the previous decision; a restarted router counts anew.
+    seen = previous.shed_seen if previous and previous.shed_seen <= shed else None
+    reason, wanted = pressure(s, current, p, seen)
     if reason:
         up_since = now if up_since is None else up_since
         if now - up_since >= p.upscale_delay_s:
-            return Decision(p.clamp(wanted), reason, None, None)
-        return Decision(current, f"wait:{reason}", up_since, None)
+            return Decision(p.clamp(wanted), reason, None, None, shed)
+        # Waiting out the delay: the sheds that started it still count.
+        kept = previous.shed_seen if previous and seen is not None else shed
+        return Decision(current, f"wait:{reason}", up_since, None, kept)
     if idle(s, current, p):
         down_since = now if down_since is None else down_since
         if now - down_since >= p.downscale_delay_s:
             # Start the next idle stretch now: one unit per downscale_delay_s.
-            return Decision(p.clamp(current - p.unit), "idle", None, None)
-        return Decision(current, "wait:idle", None, down_since)
-    return Decision(current, "hold")
+            return Decision(p.clamp(current - p.unit), "idle", None, None, shed)
+        return Decision(current, "wait:idle", None, down_since, shed)
+    return Decision(current, "hold", shed_seen=shed)
 
 
 # -- Ray Serve ------------------------------------------------------------------
@@ -210,6 +224,7 @@ class ServePolicy:
             str(mine.get("reason", "")),
             mine.get("up_since"),
             mine.get("down_since"),
+            int(mine.get("shed_seen", 0)),
         )
         now = ctx.current_time if ctx.current_time is not None else 0.0
         d = decide(signals, ctx.target_num_replicas, previous, now, self.policy)
@@ -218,6 +233,7 @@ class ServePolicy:
             "reason": d.reason,
             "up_since": d.up_since,
             "down_since": d.down_since,
+            "shed_seen": d.shed_seen,
         }
         return d.replicas, state
 

@@ -510,7 +510,10 @@ class RouterCore:
             ),
             slots=len(serving) * self.config.max_running_per_replica,
             serving=len(serving),
-            shed_total=sum(self.counters.shed.values()),
+            shed=tuple(  # type: ignore[arg-type]
+                sum(n for (q, _), n in self.counters.shed.items() if q == c)
+                for c in CLASSES
+            ),
         )
 
     def snapshot(self) -> RouterStats:

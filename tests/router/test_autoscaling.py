@@ -38,7 +38,7 @@ IDLE = LoadSignals(
     running=(0, 0, 0),
     slots=6,
     serving=1,
-    shed_total=0,
+    shed=(0, 0, 0),
 )
 
 
@@ -123,12 +123,23 @@ def test_ep_groups_scale_in_whole_groups() -> None:
         ScalePolicy(min_replicas=2, max_replicas=5, unit=2)
 
 
+def test_realtime_or_normal_sheds_scale_up_background_ones_do_not() -> None:
+    calm = replace(IDLE, running=(0, 2, 0), shed=(0, 3, 9))
+    # The first view sets the count; more background sheds are not pressure.
+    more_bg = replace(calm, shed=(0, 3, 20))
+    assert [d.replicas for d in run([(0, calm), (5, more_bg)], current=1)] == [1, 1]
+    shed = replace(calm, shed=(2, 3, 9))
+    ds = run([(0, calm), (1, shed), (2, shed), (3, shed)], current=1)
+    assert [d.reason for d in ds][1:] == ["wait:shed", "wait:shed", "shed"]
+    assert ds[-1].replicas == 2
+
+
 def test_no_signals_holds() -> None:
     assert decide(None, 3, None, 0.0, P) == Decision(3, "no_signals")
 
 
 def test_signals_survive_serves_metrics_round_trip() -> None:
-    s = replace(IDLE, queued=(1, 2, 3), oldest_wait_s=(0.5, 1.5, 9.0), shed_total=4)
+    s = replace(IDLE, queued=(1, 2, 3), oldest_wait_s=(0.5, 1.5, 9.0), shed=(4, 0, 1))
     metrics = s.as_metrics()
     assert metrics["queued_realtime"] == 1 and metrics["oldest_wait_s_background"] == 9
     assert LoadSignals.from_metrics(metrics) == s
