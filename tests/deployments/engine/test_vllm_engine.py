@@ -154,3 +154,49 @@ async def test_warmup_records_what_it_loaded_and_runs_as_background() -> None:
     prompts = [c[0] for c in llm.calls]
     assert prompts[0]["cache_salt"] == "t1" and prompts[1]["prompt"] == "hello"
     assert {c[3] for c in llm.calls} == {int(QoS.BACKGROUND)}
+
+
+async def test_tool_calls_in_the_output_become_calls_and_finish_with_tool_calls(
+    tiny_model: object,
+) -> None:
+    # What a released checkpoint writes for a call, one token per engine step
+    # (DeepSeek's tool-call tokens are single tokens of the tiny tokenizer).
+    import json
+
+    from transformers import AutoTokenizer
+
+    from cluster.tiny_tokenizer import (
+        TOOL_CALL_BEGIN,
+        TOOL_CALL_END,
+        TOOL_CALLS_BEGIN,
+        TOOL_CALLS_END,
+        TOOL_SEP,
+    )
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    args = '{"city": "Rome"}'
+    text = (
+        f"Sure.{TOOL_CALLS_BEGIN}{TOOL_CALL_BEGIN}function{TOOL_SEP}get_weather"
+        f"\n```json\n{args}\n```{TOOL_CALL_END}{TOOL_CALLS_END}"
+    )
+    ids = tok.encode(text, add_special_tokens=False)
+    steps = [Step([i], tok.decode([i])) for i in ids]
+    steps[-1] = dataclasses.replace(steps[-1], finish="stop")
+    llm = FakeAsyncLLM(steps)
+    llm.tokenizer = tok  # type: ignore[attr-defined]
+    engine = VLLMEngine(llm, "replica-a")  # type: ignore[arg-type]
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    req = dataclasses.replace(
+        request(),
+        sampling=Sampling(max_tokens=len(ids)),
+        tool_parser="deepseek_v3",
+        tools_json=json.dumps(tools),
+    )
+    events = await collect(engine, req)
+    deltas = [e for e in events if isinstance(e, TokenDelta)]
+    assert "".join(d.text for d in deltas) == "Sure."
+    calls = [c for d in deltas for c in d.tool_calls]
+    assert calls[0].name == "get_weather" and calls[0].id
+    assert json.loads("".join(c.arguments for c in calls)) == json.loads(args)
+    assert [t for d in deltas for t in d.token_ids] == ids  # every token still sent
+    assert events[-1].reason == "tool_calls"  # type: ignore[attr-defined]
