@@ -34,8 +34,6 @@ from deployments.protocol import (
     merge_tool_calls,
 )
 
-MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs
-
 SERVICE = "moecluster.v1.Inference"
 QOS_OF_PROTO = {
     pb.QOS_UNSPECIFIED: QoS.NORMAL,
@@ -197,29 +195,17 @@ def engine_request(
         stop=list(s.stop),
         stop_token_ids=list(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
+        logprobs=opt("logprobs"),
         prefix="sampling.",
     )
-    logprobs = opt("logprobs")
-    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
-        raise validation.InvalidRequest(
-            "sampling.logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}"
-        )
     constraint = _structured(s) if s.HasField("structured") else None
-    if (forced := structured.constraint(choice, tools)) is not None:
-        if constraint is not None:
-            raise validation.InvalidRequest(
-                "sampling.structured",
-                f"cannot be combined with a {choice.mode} tool choice",
-            )
-        constraint = forced
-    sampling = dataclasses.replace(sampling, structured=constraint, logprobs=logprobs)
-    request = EngineRequest(rid, ids, sampling, QOS_OF_PROTO[req.qos], tenant)
-    if choice.mode == "auto":
-        request = dataclasses.replace(
-            request,
-            tool_parser=structured.TOOL_PARSER,
-            tools_json=json.dumps([t.openai() for t in tools]),
-        )
+    request = structured.with_tools(
+        EngineRequest(rid, ids, sampling, QOS_OF_PROTO[req.qos], tenant),
+        constraint,
+        choice,
+        tools,
+        "sampling.structured",
+    )
     deadline = req.deadline_ms / 1000 if req.deadline_ms else None
     return request, deadline, choice
 

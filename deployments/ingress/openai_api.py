@@ -10,7 +10,6 @@ ignored: it would change what the client expects back.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import Mapping, Sequence
@@ -38,7 +37,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # it would at less). OpenAI requests nest a handful of levels; a JSON schema,
 # tens.
 MAX_JSON_DEPTH = 128
-MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_TOP_LOGPROBS = validation.MAX_TOP_LOGPROBS
 
 
 def _depth_within(data: Any, limit: int) -> bool:
@@ -276,13 +275,6 @@ def engine_request(
         tools = structured.tools(req.tools)
         choice = structured.tool_choice(req.tool_choice, tools)
         structured.check_parsable(choice, frontend.parses_tool_calls, "tool_choice")
-        if (forced := structured.constraint(choice, tools)) is not None:
-            if constraint is not None:
-                raise validation.InvalidRequest(
-                    "response_format",
-                    f"cannot be combined with tool_choice {choice.mode!r}",
-                )
-            constraint = forced
         ids, field = _chat_prompt(req, frontend, tools), "messages"
         max_tokens = req.max_completion_tokens or req.max_tokens
     else:
@@ -303,9 +295,7 @@ def engine_request(
         stop=req.stop_list(),
         stop_token_ids=req.stop_token_ids,
         ignore_eos=req.ignore_eos,
-    )
-    sampling = dataclasses.replace(
-        sampling, structured=constraint, logprobs=req.top_logprobs_count()
+        logprobs=req.top_logprobs_count(),
     )
     engine_req = EngineRequest(
         validation.request_id(req.request_id),
@@ -314,12 +304,9 @@ def engine_request(
         qos_of(req),
         validation.tenant(req.tenant),
     )
-    if choice.mode == "auto":
-        engine_req = dataclasses.replace(
-            engine_req,
-            tool_parser=structured.TOOL_PARSER,
-            tools_json=json.dumps([t.openai() for t in tools]),
-        )
+    engine_req = structured.with_tools(
+        engine_req, constraint, choice, tools, "response_format"
+    )
     req._choice = choice
     return req, engine_req, (req.deadline_ms / 1000 if req.deadline_ms else None)
 

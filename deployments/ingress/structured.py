@@ -30,6 +30,7 @@ from typing import Any, Literal
 from deployments.ingress.validation import InvalidRequest, Limits, prompt_text, utf8
 from deployments.protocol import (
     EngineEvent,
+    EngineRequest,
     Finish,
     Structured,
     TokenDelta,
@@ -323,7 +324,7 @@ def check_parsable(choice: ToolChoice, parses_tool_calls: bool, field: str) -> N
         )
 
 
-def constraint(choice: ToolChoice, defined: Sequence[Tool]) -> Structured | None:
+def constraint_for(choice: ToolChoice, defined: Sequence[Tool]) -> Structured | None:
     """The output constraint that enforces a named or required tool choice."""
     if choice.mode == "named":
         [fn] = [t for t in defined if t.name == choice.name]
@@ -352,6 +353,35 @@ def constraint(choice: ToolChoice, defined: Sequence[Tool]) -> Structured | None
     return None
 
 
+def with_tools(
+    request: EngineRequest,
+    constraint: Structured | None,
+    choice: ToolChoice,
+    defined: Sequence[Tool],
+    constraint_field: str,
+) -> EngineRequest:
+    """``request`` with its output constraint (the client's, or the one a named
+    or required tool choice forces: not both) and, for ``auto``, the engine's
+    tool parser and the tools it parses for."""
+    if (forced := constraint_for(choice, defined)) is not None:
+        if constraint is not None:
+            raise InvalidRequest(
+                constraint_field,
+                f"cannot be combined with tool_choice {choice.mode!r}",
+            )
+        constraint = forced
+    request = replace(
+        request, sampling=replace(request.sampling, structured=constraint)
+    )
+    if choice.mode != "auto":
+        return request
+    return replace(
+        request,
+        tool_parser=TOOL_PARSER,
+        tools_json=json.dumps([t.openai() for t in defined]),
+    )
+
+
 def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -373,28 +403,25 @@ async def _shaped(
 ) -> AsyncGenerator[EngineEvent, None]:
     named = choice.mode == "named"
     cid = call_id()
-    text: list[str] = []
+    text: list[str] = []  # required: the call list, parsed at the end
+    announced = False  # named: the call's id and name went with its first piece
     try:
         async for event in events:
             if isinstance(event, TokenDelta):
-                text.append(event.text)
                 if named and event.text:
-                    first = not "".join(text[:-1])
-                    piece = ToolCallDelta(
-                        0,
-                        cid if first else "",
-                        choice.name if first else "",
-                        event.text,
-                    )
+                    head = ("", "") if announced else (cid, choice.name)
+                    piece = ToolCallDelta(0, *head, event.text)
+                    announced = True
                     event = replace(event, text="", tool_calls=(piece,))
                 else:
+                    text.append(event.text)
                     event = replace(event, text="")
             elif isinstance(event, Finish):
-                whole = "".join(text)
                 if named:
-                    if whole and event.reason == "stop":
+                    if announced and event.reason == "stop":
                         event = replace(event, reason="tool_calls")
                 else:
+                    whole = "".join(text)
                     calls = _required_calls(whole)
                     if calls:
                         yield TokenDelta((), "", tool_calls=calls)

@@ -21,6 +21,7 @@ from deployments.protocol import Sampling
 MAX_TEMPERATURE = 2.0
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs
 _INT32_MAX = 2**31 - 1
 
 
@@ -113,6 +114,8 @@ def sampling(
     stop: Sequence[str] = (),
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
+    logprobs: int | None = None,
+    logprobs_field: str = "logprobs",
     prefix: str = "",
 ) -> Sampling:
     """Checks each parameter; ``max_tokens=None`` means up to the context's end."""
@@ -160,6 +163,11 @@ def sampling(
                 f"{prefix}stop_token_ids[{i}]",
                 f"token id {t} is outside the vocabulary [0, {limits.vocab_size})",
             )
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(
+            f"{prefix}{logprobs_field}",
+            f"must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}",
+        )
     return Sampling(
         max_tokens=min(max_tokens, _INT32_MAX),
         temperature=float(temperature),
@@ -169,4 +177,5 @@ def sampling(
         stop=tuple(stop),
         stop_token_ids=tuple(stop_token_ids),
         ignore_eos=bool(ignore_eos),
+        logprobs=logprobs,
     )
