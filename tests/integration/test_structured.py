@@ -20,9 +20,12 @@ import pytest
 
 from deployments.proto import inference_pb2 as pb
 from deployments.protocol import EngineRequest, Sampling, TokenDelta
-from tests.integration.conftest import Served
+from tests.integration.conftest import PLATFORM, Served
 
 MODEL = "tiny-deepseek-v2"
+# The same request on another run (another replica, a cached prefix) computes
+# the same logprobs up to the engine dtype's rounding.
+TOLERANCE = 1e-4 if PLATFORM.dtype == "float32" else 5e-2
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -295,9 +298,11 @@ def test_logprobs_are_the_engines_own(
     assert lp and lp.tokens and lp.token_logprobs and lp.top_logprobs
     own = engine_logprobs(served, engine_handle, prompt, 6, 3)
     assert [e.text for e in own] == lp.tokens
-    assert lp.token_logprobs == pytest.approx([e.logprob for e in own], abs=1e-4)
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in own], abs=TOLERANCE)
     for top, e in zip(lp.top_logprobs, own, strict=True):
-        assert len(top) == 3 and max(top.values()) == pytest.approx(e.logprob, abs=1e-4)
+        assert len(top) == 3 and max(top.values()) == pytest.approx(
+            e.logprob, abs=TOLERANCE
+        )
     # Chat, streamed: one entry per token, the top 2 each.
     stream = client.chat.completions.create(
         model=MODEL,
@@ -334,7 +339,9 @@ def test_logprobs_are_the_engines_own(
         client_grpc.close()
     entries = [e for r in events if r.HasField("chunk") for e in r.chunk.logprobs]
     assert [e.token for e in entries] == lp.tokens
-    assert [e.logprob for e in entries] == pytest.approx(lp.token_logprobs, abs=1e-4)
+    assert [e.logprob for e in entries] == pytest.approx(
+        lp.token_logprobs, abs=TOLERANCE
+    )
     assert all(e.rank == 1 and len(e.top) == 3 for e in entries)
 
 
