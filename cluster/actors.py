@@ -3,6 +3,7 @@ one per application, found by name, detached and restarted by Ray."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 NAMESPACE = "moe-cluster"
@@ -22,3 +23,22 @@ def singleton_options(name: str, **extra: Any) -> dict[str, Any]:
         # with the group and could not be restarted.
         "scheduling_strategy": "DEFAULT",
     } | extra
+
+
+def kill_and_wait(handle: Any, name: str, timeout_s: float = 30.0) -> None:
+    """Kills the singleton ``name`` for good and returns once its name is free.
+
+    ``ray.kill`` returns before the GCS has released the name; creating the
+    actor again in that window with ``get_if_exists`` hands back the dying one.
+    """
+    import ray
+
+    ray.kill(handle, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"actor {name!r} still registered {timeout_s:.0f} s after kill")

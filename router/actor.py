@@ -20,7 +20,7 @@ import ray
 from opentelemetry.trace import SpanKind
 
 from cluster import tracing
-from cluster.actors import NAMESPACE, singleton_options
+from cluster.actors import NAMESPACE, kill_and_wait, singleton_options
 from cluster.checkpoint import Checkpoint
 from cluster.config import RouterConfig
 from cluster.loops import every
@@ -266,7 +266,7 @@ def get_or_create(
             followed = ray.get(old.follows_stores.remote(), timeout=30)
             if (running, followed) != (config, stores_of):
                 logger.warning("router configuration changed: replacing the router")
-                ray.kill(old, no_restart=True)
+                kill_and_wait(old, actor_name(app_name))
     return cls.options(
         **singleton_options(actor_name(app_name), max_concurrency=100_000)
     ).remote(config, num_routed_experts(model_path), stores_of)
