@@ -213,8 +213,10 @@ def another_app(served: Served, settings: dict[str, Any]) -> Iterator[Served]:
     settings["server"] |= {"http_port": s.http_port, "grpc_port": s.grpc_port}
     config = prepare_model(ClusterConfig.model_validate(settings))
     app = config.server.app_name
-    serve.run(build_app(config), name=app, route_prefix=f"/{app}")
     try:
+        # Inside: an app that fails to deploy is deleted too (a second app left
+        # behind makes gRPC calls without "application" metadata ambiguous).
+        serve.run(build_app(config), name=app, route_prefix=f"/{app}")
         yield Served(
             config,
             served.grpc_target,
