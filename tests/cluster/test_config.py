@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from cluster.config import ClusterConfig, load_config
+from cluster.tiny_model import write_tiny_model
 from deployments.cli import DEFAULT_CONFIG
 
 
@@ -129,3 +131,38 @@ def test_fp8_weights_are_accepted_on_amx() -> None:
         {"engine": gpu, "deployment": {"num_gpus": 1}}
     )
     assert on_gpu.engine_platform().backend.value == "GPU"  # vLLM checks it there
+
+
+@pytest.mark.parametrize(
+    ("blocks", "message"),
+    [
+        ((), "per-tensor scales"),
+        ((128, 64), r"weight_block_size \[128, 64\]"),
+        ((100, 128), r"weight_block_size \[100, 128\]"),
+    ],
+)
+def test_fp8_checkpoints_cpu_engines_cannot_load_are_refused(
+    blocks: tuple[int, ...], message: str
+) -> None:
+    from cluster.platform import Backend, check_fp8_checkpoint
+
+    for backend in (Backend.AMX_MLA, Backend.CPU_MLA):
+        with pytest.raises(ValueError, match=f"engine.quantization fp8.*{message}"):
+            check_fp8_checkpoint(backend, blocks)
+    check_fp8_checkpoint(Backend.GPU, blocks)  # vLLM checks it there
+    check_fp8_checkpoint(Backend.AMX_MLA, (128, 128))
+
+
+def test_a_per_tensor_fp8_checkpoint_is_refused_before_deploying(
+    tmp_path: Path,
+) -> None:
+    from deployments.app import prepare_model
+
+    model = write_tiny_model(tmp_path / "m")
+    config = json.loads((model / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8"}
+    (model / "config.json").write_text(json.dumps(config))
+    settings = {"model": {"path": str(model)}, "engine": {"quantization": "fp8"}}
+    # Without AMX the backend itself refuses FP8; with it, the checkpoint's form.
+    with pytest.raises(ValueError, match=r"engine\.quantization"):
+        prepare_model(ClusterConfig.model_validate(settings))

@@ -93,8 +93,11 @@ def test_the_fp8_checkpoint_is_vllms_format(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     from cluster.tiny_model import (
+        FP8_BLOCK,
         FP8_QUANTIZATION_CONFIG,
         WEIGHT_FILE,
+        fp8_block_scales,
+        fp8_spec,
         is_fp8_weight,
         make_weights,
         write_tiny_model,
@@ -104,21 +107,25 @@ def test_the_fp8_checkpoint_is_vllms_format(tmp_path: Path) -> None:
     config = json.loads((path / "config.json").read_text())
     assert config["quantization_config"] == FP8_QUANTIZATION_CONFIG
     got = load_file(str(path / WEIGHT_FILE))
-    ref = make_weights(TinyModelSpec(), NUM_RESERVED)
+    ref = make_weights(fp8_spec(), NUM_RESERVED)
     fp8_bytes = f32_bytes = 0
     for name, w in ref.items():
         if not is_fp8_weight(name):
             assert got[name].dtype == torch.float32
             assert np.array_equal(got[name].numpy(), w)
             continue
-        q, scale = got[name], got[name.removesuffix("weight") + "weight_scale"]
-        assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+        q, blocks = got[name], got[name.removesuffix("weight") + "weight_scale_inv"]
+        assert q.dtype == torch.float8_e4m3fn and blocks.dtype == torch.float32
+        assert blocks.shape == tuple(-(-n // FP8_BLOCK) for n in w.shape)
         # e4m3 keeps 3 mantissa bits: within 1/16 of each value, or of the
-        # smallest normal step for values near zero.
+        # smallest normal step (of its block's scale) for values near zero.
+        scale = fp8_block_scales(blocks, w.shape)
         deq = q.float() * scale
         err = (deq - torch.from_numpy(w)).abs()
-        bound = torch.from_numpy(np.abs(w)) / 16 + float(scale) * 2**-6
+        bound = torch.from_numpy(np.abs(w)) / 16 + scale * 2**-6
         assert bool((err <= bound).all()), name
+        # Each block's largest value is e4m3's largest: the scale fits the block.
+        assert float(q.float().abs().max()) == 448.0, name
         fp8_bytes += q.numel()
         f32_bytes += w.nbytes
     assert fp8_bytes * 4 == f32_bytes > 0
@@ -127,6 +134,7 @@ def test_the_fp8_checkpoint_is_vllms_format(tmp_path: Path) -> None:
 
     fp8 = Fp8Config.from_config(config["quantization_config"])
     assert fp8.is_checkpoint_fp8_serialized and fp8.activation_scheme == "dynamic"
+    assert fp8.weight_block_size == [FP8_BLOCK, FP8_BLOCK]
 
 
 def test_an_older_tiny_model_is_rewritten_by_the_cli(tmp_path: Path) -> None:

