@@ -113,6 +113,16 @@ class EngineConfig(_Strict):
     omp_num_threads: int | None = Field(
         None, gt=0, description="OMP_NUM_THREADS for each engine process (CPU backend)."
     )
+    executor: Literal["auto", "uni", "mp"] = Field(
+        "auto",
+        description="Where vLLM runs the model of an engine of one rank. uni: in "
+        "the engine-core process itself. mp: in a worker process of its own, "
+        "which the engine core drives through shared memory; vLLM's default on "
+        "CPU, where both processes spin while requests run. auto: uni on CPU "
+        "(one spinning process less on the cores the engine shares with Ray, the "
+        "proxy and the ingress), vLLM's own choice on GPU, for EP ranks and for "
+        "tensor parallelism (which needs mp).",
+    )
     measure_expert_load: bool | None = Field(
         None,
         description="Count the tokens each MoE layer routes to each expert (a hook "
@@ -778,6 +788,11 @@ class ClusterConfig(_Strict):
                 "with expert_parallel.accelerator: GPU each rank takes one GPU; leave "
                 "deployment.num_gpus at 0 or 1"
             )
+        if engine.executor == "uni" and engine.tensor_parallel_size > 1:
+            raise ValueError(
+                "engine.executor uni runs one rank: tensor parallelism "
+                "(engine.tensor_parallel_size > 1) needs mp or auto"
+            )
         if engine.measure_expert_load and not engine.enforce_eager:
             raise ValueError(
                 "engine.measure_expert_load counts in a hook that compiled and CUDA "
@@ -821,6 +836,15 @@ class ClusterConfig(_Strict):
         platform.check_quantization(resolved.backend, e.quantization, e.kv_cache_dtype)
         return resolved
 
+    def _executor(self, backend: platform.Backend) -> str:
+        e = self.engine
+        if e.executor != "auto":
+            return e.executor
+        one_rank = e.tensor_parallel_size == 1 and not self.expert_parallel.enabled
+        if backend is platform.Backend.GPU or not one_rank:
+            return "auto"  # vLLM's own choice (an EP rank's is set with its rank)
+        return "uni"
+
     def resolved(self, amx: bool | None = None) -> ClusterConfig:
         """A copy with the model path absolute (replicas run in other directories)
         and the engine's ``auto`` settings made concrete for this machine (see
@@ -836,6 +860,7 @@ class ClusterConfig(_Strict):
                 "dtype": p.dtype,
                 "block_size": p.block_size,
                 "enable_prefix_caching": p.prefix_caching,
+                "executor": self._executor(p.backend),
             }
         )
         server = self.server

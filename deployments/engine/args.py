@@ -23,7 +23,14 @@ def engine_env(config: EngineConfig) -> dict[str, str]:
     }
     if config.omp_num_threads is not None:
         env["OMP_NUM_THREADS"] = str(config.omp_num_threads)
+    if config.executor == "uni" and config.attention_backend in CPU_BACKENDS:
+        # vLLM's CPU platform turns a uni executor into mp unless this is off
+        # (AsyncLLM runs its engine core in a process of its own either way).
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return env
+
+
+CPU_BACKENDS = (Backend.AMX_MLA.value, Backend.CPU_MLA.value)
 
 
 WORKER_EXTENSION = "deployments.engine.expert_load.ExpertLoadExtension"
@@ -52,6 +59,9 @@ def engine_args(
         transfer = transfer_config(kv_store_socket)
 
     backend = config.attention_backend
+    executor = {}
+    if config.executor != "auto":
+        executor["distributed_executor_backend"] = config.executor
     return AsyncEngineArgs(
         model=model_path,
         served_model_name=[served_name],
@@ -82,7 +92,8 @@ def engine_args(
         kv_events_config=events,
         kv_transfer_config=transfer,
         worker_extension_cls=WORKER_EXTENSION if config.measures_expert_load else "",
-        **(parallel or {}),
+        # An EP rank's own (parallel) wins.
+        **(executor | (parallel or {})),
     )
 
 

@@ -63,3 +63,41 @@ def test_the_ingress_bounds_are_vllms(
         unchecked = dataclasses.replace(unchecked, stop=tuple(outside["stop"]))
     with pytest.raises(VLLMValidationError):
         sampling_params(unchecked)
+
+
+@pytest.mark.parametrize(
+    ("settings", "amx", "executor", "single_process"),
+    [
+        ({}, True, "uni", True),  # a CPU engine of one rank: no worker process
+        ({}, False, "uni", True),
+        ({"engine": {"executor": "mp"}}, True, "mp", False),
+        ({"deployment": {"num_gpus": 1}}, None, "auto", False),  # vLLM's choice
+        ({"engine": {"tensor_parallel_size": 2}}, True, "auto", False),
+        ({"expert_parallel": {"ranks": 2}}, True, "auto", False),  # its rank's own
+    ],
+)
+def test_the_executor_a_config_resolves_to_reaches_vllm(
+    settings: dict[str, Any], amx: bool | None, executor: str, single_process: bool
+) -> None:
+    from cluster.config import ClusterConfig
+    from deployments.engine.args import engine_args, engine_env
+
+    config = ClusterConfig.model_validate(settings).resolved(amx=amx)
+    assert config.engine.executor == executor
+    # vLLM's CPU platform keeps a uni executor only with multiprocessing off.
+    env = engine_env(config.engine)
+    assert (env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0") is single_process
+    args = engine_args("/m", "m", config.engine)
+    want = None if executor == "auto" else executor
+    assert args.distributed_executor_backend == want
+
+
+def test_a_uni_executor_with_tensor_parallelism_is_refused() -> None:
+    from pydantic import ValidationError
+
+    from cluster.config import ClusterConfig
+
+    with pytest.raises(ValidationError, match=r"engine\.executor uni"):
+        ClusterConfig.model_validate(
+            {"engine": {"executor": "uni", "tensor_parallel_size": 2}}
+        )
