@@ -18,7 +18,9 @@ from tests.integration.test_router import router_snapshot
 
 RUN_LAST = True  # scales the session's engines down and back up
 STREAMS = 6  # least-loaded placement puts 3 on each replica
-MAX_TOKENS = 640
+# Long enough to outlast the drain timeout on any CPU: an AMX engine with its
+# model in the engine core runs 640 tokens of 3 streams in ~6 s.
+MAX_TOKENS = 1600
 # Scaled down once every stream has two full blocks (saved to the page store).
 SCALE_AFTER = 2 * BLOCK + 8
 
@@ -60,6 +62,7 @@ def test_a_replica_scaled_away_drains_and_hands_its_streams_off(
 
     victim = wait_until(stopping, 30, "the router to see a replica stopping")
     told_at = time.monotonic()
+    assert not any(o.finished for o in outcomes.values()), "streams ended too soon"
     # While it drains, new work goes to the other replica only.
     streams.served_elsewhere(served, victim)
 
