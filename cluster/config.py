@@ -537,6 +537,30 @@ class ServerConfig(_Strict):
         "Serve 2.60's gRPC proxy has no TLS setting: gRPC stays plaintext (terminate "
         "TLS for it in front of the proxy).",
     )
+    haproxy: bool = Field(
+        False,
+        description="Serve both ports through HAProxy instead of Serve's proxy "
+        "actor (Ray Serve's RAY_SERVE_ENABLE_HA_PROXY): HAProxy forwards each "
+        "request to an ingress replica's own HTTP and gRPC servers (Serve's direct "
+        "ingress), so every streamed chunk crosses one Ray process less. Set in "
+        "the environment of every Ray node before it starts: `moe-cluster serve` "
+        "does so for the cluster it starts, the KubeRay manifests for their pods. "
+        "Serve's proxy spans are then absent (the ingress's spans parent on the "
+        "client's traceparent). Not with tls.",
+    )
+
+    @model_validator(mode="after")
+    def _haproxy_without_tls(self) -> ServerConfig:
+        if self.haproxy and self.tls is not None:
+            raise ValueError(
+                "server.haproxy serves plain HTTP; terminate TLS in front of it, or "
+                "use Serve's proxy (haproxy: false) for server.tls"
+            )
+        return self
+
+    def serve_env(self) -> dict[str, str]:
+        """Ray Serve's environment for this ingress (every Ray node, before start)."""
+        return {"RAY_SERVE_ENABLE_HA_PROXY": "1"} if self.haproxy else {}
 
 
 class WarmupPrompt(_Strict):

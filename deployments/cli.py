@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -60,6 +61,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"moe-cluster: engines get {config.engine_platform().describe()}", flush=True)
     started = time.monotonic()
     traces = trace_settings(config)
+    os.environ.update(config.server.serve_env())  # the Ray processes inherit it
     init_ray(
         args.address,
         namespace="moe-cluster",

@@ -107,6 +107,7 @@ def _env(config: ClusterConfig) -> list[dict[str, Any]]:
             },
             {"name": "OTEL_SERVICE_NAME", "value": k.name},
         ]
+    env += [{"name": k, "value": v} for k, v in config.server.serve_env().items()]
     return env
 
 

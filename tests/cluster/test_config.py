@@ -166,3 +166,15 @@ def test_a_per_tensor_fp8_checkpoint_is_refused_before_deploying(
     # Without AMX the backend itself refuses FP8; with it, the checkpoint's form.
     with pytest.raises(ValueError, match=r"engine\.quantization"):
         prepare_model(ClusterConfig.model_validate(settings))
+
+
+def test_haproxy_is_serves_environment_and_refuses_tls(tmp_path: Path) -> None:
+    assert ClusterConfig().server.serve_env() == {}
+    on = ClusterConfig.model_validate({"server": {"haproxy": True}})
+    assert on.server.serve_env() == {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    cert.write_text("x")
+    key.write_text("x")
+    tls = {"certfile": str(cert), "keyfile": str(key)}
+    with pytest.raises(ValidationError, match=r"server\.haproxy serves plain HTTP"):
+        ClusterConfig.model_validate({"server": {"haproxy": True, "tls": tls}})

@@ -170,3 +170,13 @@ def test_the_app_builder_takes_the_keys_from_the_environment(
     app.app_builder({"model": {"path": str(tiny_model)}})
     [key] = built[0].server.credentials()
     assert key.key.get_secret_value() == "k1" and key.tenants == ["acme"]
+
+
+def test_haproxy_reaches_every_pods_environment() -> None:
+    on = ClusterConfig.model_validate({"server": {"haproxy": True}})
+    for haproxy, config in ((True, on), (False, ClusterConfig())):
+        doc = yaml.safe_load(k8s.render(config))
+        for group in pods(doc):
+            [c] = group["template"]["spec"]["containers"]
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            assert (env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1") is haproxy

@@ -104,6 +104,7 @@ def serve_moe_cluster(
     router: bool = True,
     router_settings: str = "{}",
     engine_settings: str = "{}",
+    server_settings: str = "{}",
 ) -> None:
     import ray
 
@@ -116,11 +117,13 @@ def serve_moe_cluster(
                 "model": {"path": str(MODEL_DIR), "served_name": NAME},
                 "engine": ENGINE | {"omp_num_threads": 1} | json.loads(engine_settings),
                 "deployment": {"num_replicas": replicas, "num_cpus": 1},
-                "server": {"http_port": port, "grpc_port": port + 1},
+                "server": {"http_port": port, "grpc_port": port + 1}
+                | json.loads(server_settings),
                 "router": {"enabled": router} | json.loads(router_settings),
             }
         )
     )
+    os.environ.update(config.server.serve_env())
     ray.init(num_cpus=2, include_dashboard=False)
     deploy(config)
 
@@ -140,6 +143,9 @@ def main() -> None:
     p.add_argument(
         "--engine-json", default="{}", help="moe-cluster: engine settings (JSON)"
     )
+    p.add_argument(
+        "--server-json", default="{}", help="moe-cluster: server settings (JSON)"
+    )
     args = p.parse_args()
     os.environ.update(ENV)
     if not (MODEL_DIR / "config.json").exists():
@@ -153,6 +159,7 @@ def main() -> None:
             not args.no_router,
             args.router_json,
             args.engine_json,
+            args.server_json,
         )
     print("READY", flush=True)
     wait_for_stop_signal()
