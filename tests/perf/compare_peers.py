@@ -3,11 +3,13 @@
     make bench-peers        # or: .venv/bin/python -m tests.perf.compare_peers
 
 Peers, each started alone on this machine with one core per engine replica:
-bare vLLM (``vllm serve``), Ray Serve LLM (default router, and its
+bare vLLM (``vllm serve`` as it runs by default, and with the single-process
+executor moe-cluster's CPU engines use), Ray Serve LLM (default router, and its
 PrefixCacheAffinityRouter), and moe-cluster. All are driven over OpenAI HTTP by
 ``moe-cluster bench``'s load generator with the same seeded workloads:
 
-- S1: one replica, closed loop, one stream at a time (serving overhead);
+- S1: one replica, closed loop, one and four streams at a time (serving
+  overhead); moe-cluster over gRPC as well as HTTP;
 - S2: one replica, a realtime stream (0.5 req/s) under a background flood at 2x
   the baseline's measured capacity (Poisson, 30 s);
 - S3: two replicas, 4 shared prefixes of 512 tokens + 32 distinct tokens each,
@@ -39,7 +41,7 @@ from typing import Any
 import httpx
 import psutil
 
-from deployments.bench.backends import Backend, OpenAIBackend
+from deployments.bench.backends import Backend, GrpcBackend, OpenAIBackend
 from deployments.bench.cli import text_prompts
 from deployments.bench.report import Slo, summarize
 from deployments.bench.runner import Limits, run_closed_loop, run_open_loop
@@ -74,6 +76,7 @@ class Peer:
     command: Callable[[int], list[str]]  # replicas -> argv
     scenarios: tuple[str, ...]
     uses_ray: bool = True
+    env: tuple[tuple[str, str], ...] = ()
 
 
 def _module(*args: str) -> Callable[[int], list[str]]:
@@ -84,8 +87,22 @@ def _module(*args: str) -> Callable[[int], list[str]]:
     return argv
 
 
+# vLLM's CPU default runs the model in a worker process beside the engine core,
+# both spinning; moe-cluster's CPU engines run it in the engine core
+# (engine.executor: uni). The same choice, given to bare vLLM:
+UNI = (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),)
+UNI_ARGS = ["--distributed-executor-backend", "uni"]
+
 PEERS = (
     Peer("vllm", "vLLM", lambda _: vllm_command(PORT), ("S1", "S2"), uses_ray=False),
+    Peer(
+        "vllm-uni",
+        "vLLM, uni executor",
+        lambda _: [*vllm_command(PORT), *UNI_ARGS],
+        ("S1",),
+        uses_ray=False,
+        env=UNI,
+    ),
     Peer("rsllm", "Ray Serve LLM", _module("ray-serve-llm"), ("S1", "S2", "S3")),
     Peer(
         "rsllm-prefix",
@@ -93,7 +110,19 @@ PEERS = (
         _module("ray-serve-llm", "--prefix-router"),
         ("S3",),
     ),
-    Peer("moe", "moe-cluster", _module("moe-cluster"), ("S1", "S2", "S3")),
+    Peer(
+        "moe-proxy",
+        "moe-cluster, Serve proxy",
+        _module("moe-cluster"),
+        ("S1",),
+    ),
+    # Its HTTP and gRPC through HAProxy to the ingress replicas (server.haproxy).
+    Peer(
+        "moe",
+        "moe-cluster",
+        _module("moe-cluster", "--server-json", '{"haproxy": true}'),
+        ("S1", "S2", "S3"),
+    ),
 )
 
 
@@ -112,7 +141,7 @@ class Server:
     def __init__(self, peer: Peer, replicas: int, log: Path) -> None:
         self.peer = peer
         self.log = log.open("w")
-        env = os.environ | ENV
+        env = os.environ | ENV | dict(peer.env)
         started = time.monotonic()
         self.started_at = time.time()
         self.proc = subprocess.Popen(
@@ -195,9 +224,14 @@ async def drive(
     return summarize(records, duration, slo)
 
 
-async def closed(workload: Workload, concurrency: int, n: int, warmup: int = 2) -> Any:
+async def closed(
+    workload: Workload, concurrency: int, n: int, warmup: int = 2, grpc: bool = False
+) -> Any:
+    backend: Backend = (
+        GrpcBackend(f"127.0.0.1:{PORT + 1}") if grpc else backend_for_peers()
+    )
     return await drive(
-        backend_for_peers(),
+        backend,
         workload,
         REALTIME_SLO,
         concurrency=concurrency,
@@ -237,7 +271,11 @@ def run_peer(peer: Peer, capacity: dict[str, float], logs: Path) -> dict[str, An
         out[f"startup_s_{replicas}"] = server.startup_s
         try:
             if "S1" in todo:
-                out["S1"] = asyncio.run(closed(S1, concurrency=1, n=16))
+                out["S1"] = asyncio.run(closed(S1, concurrency=1, n=S1_N))
+                out["S1c4"] = asyncio.run(closed(S1, concurrency=4, n=4 * S1_N))
+                if peer.key.startswith("moe"):  # the gRPC API, the same requests
+                    out["S1g"] = asyncio.run(closed(S1, 1, S1_N, grpc=True))
+                    out["S1gc4"] = asyncio.run(closed(S1, 4, 4 * S1_N, grpc=True))
             if "S2" in todo:
                 if "rate" not in capacity:  # the first peer's capacity sets the load
                     w = Workload((FLOOD_SHAPE,), seed=4)
@@ -255,11 +293,20 @@ def run_peer(peer: Peer, capacity: dict[str, float], logs: Path) -> dict[str, An
     return out
 
 
+S1_N = 64  # requests per S1 point at c=1 (~20 s); 4x that at c=4
+
 ROWS = [
     ("S1", "all", "ttft_ms", "p50", "TTFT p50 (ms)", False),
     ("S1", "all", "tpot_ms", "p50", "TPOT p50 (ms)", False),
     ("S1", "all", "e2e_ms", "p50", "E2E p50 (ms)", False),
     ("S1", "all", "output_tok_s", None, "output tok/s", True),
+    ("S1c4", "all", "ttft_ms", "p50", "c=4 TTFT p50 (ms)", False),
+    ("S1c4", "all", "tpot_ms", "p50", "c=4 TPOT p50 (ms)", False),
+    ("S1c4", "all", "output_tok_s", None, "c=4 output tok/s", True),
+    ("S1g", "all", "ttft_ms", "p50", "gRPC: TTFT p50 (ms)", False),
+    ("S1g", "all", "output_tok_s", None, "gRPC: output tok/s", True),
+    ("S1gc4", "all", "ttft_ms", "p50", "gRPC c=4: TTFT p50 (ms)", False),
+    ("S1gc4", "all", "output_tok_s", None, "gRPC c=4: output tok/s", True),
     ("S2", "realtime", "ttft_ms", "p50", "realtime TTFT p50 (ms)", False),
     ("S2", "realtime", "ttft_ms", "p99", "realtime TTFT p99 (ms)", False),
     ("S2", "realtime", "goodput", None, "realtime goodput, TTFT<=1s (req/s)", True),
@@ -272,10 +319,39 @@ ROWS = [
 ]
 
 
+HTTP_OF = {"S1g": "S1", "S1gc4": "S1c4"}
+
+
+def machine() -> str:
+    """The CPU and the engines' settings, for the table's header."""
+    from tests.perf.peers import ENGINE, platform_kwargs
+
+    flags: set[str] = set()
+    model = "?"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            flags = set(value.split())
+        elif key.strip() == "model name":
+            model = value.strip()
+    wide = sorted(f for f in flags if f.startswith(("amx", "avx512")))
+    p = platform_kwargs()
+    return (
+        f"Machine: {model}, {os.cpu_count()} cores; "
+        f"{'AMX' if any(f.startswith('amx') for f in flags) else 'no AMX'} "
+        f"({', '.join(wide) or 'no AVX-512'}).\n"
+        f"Every engine: {p['attention_backend']}, {p['dtype']}, "
+        f"{p['block_size']}-token blocks, one OpenMP thread, "
+        f"max_num_seqs {ENGINE['max_num_seqs']}, eager.\n\n"
+    )
+
+
 def cell(
     results: dict[str, Any], peer: str, row: tuple[Any, ...]
 ) -> float | str | None:
     scenario, klass, metric, stat, _, _ = row
+    if not peer.startswith("moe"):  # HTTP only: moe-cluster's gRPC against it
+        scenario = HTTP_OF.get(scenario, scenario)
     s = results.get(peer, {}).get(scenario, {}).get(klass)
     if s is None:
         return None
@@ -303,7 +379,7 @@ def markdown(results: dict[str, Any], capacity: dict[str, Any]) -> str:
         + " | moe-cluster vs ".join(p.label for p in peers if p.key != "moe")
         + " |"
     )
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    lines = [machine() + head, "|" + "---|" * (head.count("|") - 1)]
     for row in ROWS:
         values = [cell(results, p.key, row) for p in peers]
         moe = cell(results, "moe", row)

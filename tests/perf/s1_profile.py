@@ -1,0 +1,232 @@
+"""Where S1's time goes: CPU per process, and py-spy's top frames, under one stream.
+
+    .venv/bin/python -m tests.perf.s1_profile [moe|vllm] [--engine-json J]
+        [--router-json J] [--pyspy SECONDS] [--grpc]
+
+Starts one system as ``make bench-peers`` does (one replica, one core), runs S1
+(128 prompt tokens, 64 output tokens) closed loop at concurrency 1 and 4, and
+meanwhile samples every process the system started: CPU seconds per process
+(grouped by its title: the Serve proxy, the ingress and engine replicas, vLLM's
+EngineCore, the router, Ray's own daemons) per request served. With ``--pyspy``
+it also records each of the busiest processes with py-spy for that long and
+prints the frames that hold most samples (self and inclusive).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from deployments.bench.backends import GrpcBackend
+from deployments.bench.report import summarize
+from deployments.bench.runner import Limits, run_closed_loop
+from tests.perf.compare_peers import (
+    PEERS,
+    PORT,
+    REALTIME_SLO,
+    S1,
+    Peer,
+    Server,
+    backend_for_peers,
+)
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def title(p: psutil.Process) -> str:
+    try:
+        cmd = p.cmdline()
+    except psutil.Error:
+        return "?"
+    name = cmd[0] if cmd else p.name()
+    if name.startswith(("ray::", "VLLM::")):
+        return str(name.split(" ")[0])
+    base = Path(name).name
+    if "python" in base and len(cmd) > 1:
+        args = [a for a in cmd[1:] if not a.startswith("-")]
+        return f"python {Path(args[0]).name if args else ''}".strip()
+    return base
+
+
+def processes(since: float) -> list[psutil.Process]:
+    """Every process started since ``since`` (the server's, Ray's, vLLM's)."""
+    out = []
+    for p in psutil.process_iter(["create_time"]):
+        if p.info["create_time"] >= since - 1 and p.pid != psutil.Process().pid:
+            out.append(p)
+    return out
+
+
+def cpu(procs: list[psutil.Process]) -> dict[int, tuple[str, float]]:
+    out = {}
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            out[p.pid] = (title(p), t.user + t.system)
+        except psutil.Error:
+            pass
+    return out
+
+
+def by_title(
+    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]
+) -> dict[str, float]:
+    total: dict[str, float] = collections.defaultdict(float)
+    for pid, (name, t) in after.items():
+        total[name] += t - before.get(pid, (name, 0.0))[1]
+    return dict(sorted(total.items(), key=lambda kv: -kv[1]))
+
+
+def top_frames(raw: Path, n: int = 12) -> tuple[list[Any], list[Any], int]:
+    """(self, inclusive, samples) from py-spy's collapsed stacks."""
+    own: collections.Counter[str] = collections.Counter()
+    incl: collections.Counter[str] = collections.Counter()
+    samples = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        k = int(count)
+        frames = stack.split(";")
+        samples += k
+        own[frames[-1]] += k
+        for f in set(frames):
+            incl[f] += k
+    return own.most_common(n), incl.most_common(n), samples
+
+
+def pyspy(pids: dict[int, str], seconds: int, out: Path) -> list[Any]:
+    """Starts py-spy on each process (collapsed stacks into ``out``)."""
+    spy = str(Path(sys.executable).parent / "py-spy")
+
+    def argv(pid: int) -> list[str]:
+        record = [spy, "record", "--pid", str(pid), "--duration", str(seconds)]
+        options = ["--nonblocking", "--rate", "100", "--format", "raw"]
+        return [*record, *options, "--output", str(out / f"{pid}.txt")]
+
+    return [
+        subprocess.Popen(
+            argv(pid),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for pid in pids
+    ]
+
+
+async def run(
+    backend_grpc: bool, concurrency: int, n: int, duration_s: float | None = None
+) -> dict[str, Any]:
+    backend = (
+        GrpcBackend(f"127.0.0.1:{PORT + 1}") if backend_grpc else backend_for_peers()
+    )
+    try:
+        await run_closed_loop(backend, S1.requests(), concurrency, Limits(4))
+        records, duration = await run_closed_loop(
+            backend, S1.requests(), concurrency, Limits(n, duration_s)
+        )
+    finally:
+        await backend.close()
+    summary: dict[str, Any] = summarize(records, duration, REALTIME_SLO)["all"]
+    return summary
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("system", choices=["moe", "vllm", "rsllm"], default="moe")
+    p.add_argument("--engine-json", default="{}")
+    p.add_argument("--router-json", default="{}")
+    p.add_argument("--grpc", action="store_true", help="moe-cluster over gRPC")
+    p.add_argument("--pyspy", type=int, default=0, help="seconds of py-spy at c=1")
+    p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--label", default="")
+    p.add_argument(
+        "--server-args", default="", help="more arguments for the server (vllm)"
+    )
+    args = p.parse_args()
+    base = next(peer for peer in PEERS if peer.key == args.system)
+    extra = args.server_args.split()
+    if args.system == "moe":
+        extra += ["--engine-json", args.engine_json, "--router-json", args.router_json]
+    peer = Peer(
+        base.key,
+        base.label,
+        lambda r: [*base.command(r), *extra],
+        base.scenarios,
+        base.uses_ray,
+    )
+    logs = Path(tempfile.mkdtemp(prefix="s1-"))
+    started = time.time()
+    server = Server(peer, 1, logs / "server.log")
+    out: dict[str, Any] = {
+        "system": args.system,
+        "label": args.label,
+        "args": vars(args),
+    }
+    try:
+        procs = processes(started)
+        if args.pyspy:
+            busy = {
+                pid: name
+                for pid, (name, _) in cpu(procs).items()
+                if name.startswith(("ray::Serve", "ray::DeepSeek", "VLLM::"))
+                or "api_server" in name
+            }
+            spies = pyspy(busy, args.pyspy, logs)
+            asyncio.run(run(args.grpc, 1, 1_000_000, args.pyspy + 2.0))
+            for spy in spies:
+                spy.wait()
+            for pid, name in busy.items():
+                f = logs / f"{pid}.txt"
+                if not f.exists():
+                    continue
+                own, incl, samples = top_frames(f)
+                print(f"--- py-spy {name} (pid {pid}): {samples} samples")
+                print("  self:")
+                for frame, k in own:
+                    print(f"    {100 * k / samples:5.1f}%  {frame}")
+                print("  inclusive:")
+                for frame, k in incl:
+                    print(f"    {100 * k / samples:5.1f}%  {frame}")
+        for c in (1, 4):
+            before = cpu(procs)
+            t0 = time.monotonic()
+            s = asyncio.run(run(args.grpc, c, args.requests))
+            wall = time.monotonic() - t0
+            used = by_title(before, cpu(procs))
+            out[f"c{c}"] = {
+                "output_tok_s": s["output_tok_s"],
+                "ttft_p50_ms": s["ttft_ms"]["p50"],
+                "tpot_p50_ms": s["tpot_ms"]["p50"],
+                "errors": s["errors"],
+                "cpu_s_per_request": {
+                    k: round(v / args.requests, 4) for k, v in used.items() if v > 0.05
+                },
+                "wall_s": round(wall, 1),
+            }
+            print(
+                f"c={c}: {s['output_tok_s']:.1f} tok/s, TTFT p50 "
+                f"{s['ttft_ms']['p50']:.1f} ms, TPOT p50 {s['tpot_ms']['p50']:.2f} ms,"
+                f" errors {s['errors']}",
+                flush=True,
+            )
+            for name, v in used.items():
+                if v > 0.05:
+                    print(f"    {name:45s} {1000 * v / args.requests:8.1f} ms CPU/req")
+    finally:
+        server.stop()
+    RESULTS.mkdir(exist_ok=True)
+    with (RESULTS / "s1_profile.jsonl").open("a") as log:
+        log.write(json.dumps(out) + "\n")
+
+
+if __name__ == "__main__":
+    main()
