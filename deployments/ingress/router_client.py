@@ -1,5 +1,12 @@
 """The ingress's side of the DeepSeekRouter actor (``frontend.Admission``).
 
+Admissions and releases are batched: those an ingress makes in one turn of its
+event loop go to the router as one call (``admit_many``, ``release_many``), so
+the router's Ray overhead is paid per batch, not per request. A ticket the router
+queues comes back as "waiting" and its answer is asked for on its own
+(``admission``); cancelling that call gives it up, as cancelling a single admit
+does. The router still orders every queued ticket itself, so QoS order is global.
+
 Admission calls survive a router restart: Ray retries calls in flight on the
 restarted actor, and a call refused because the actor is gone is retried here for
 ``retry_s`` before the client gets UNAVAILABLE. Releases are fire-and-forget: one
@@ -15,10 +22,18 @@ from typing import Any
 
 from deployments.ingress.errors import EngineUnavailable
 from router.tickets import TicketMaker
-from router.types import Release, RouteDecision, Shed, Ticket
+from router.types import Outcome, Release, RouteDecision, Shed, Ticket
 
 logger = logging.getLogger("moe_cluster.ingress")
 RETRY_PAUSE_S = 0.2
+
+
+class _Retry:
+    """A batch the router could not take: admit this ticket on its own."""
+
+
+_RETRY = _Retry()
+_Answer = RouteDecision | Shed | _Retry | None
 
 
 class RouterClient:
@@ -27,13 +42,69 @@ class RouterClient:
         connect: Callable[[], Any],
         tickets: TicketMaker,
         retry_s: float = 15.0,
+        batch: bool = True,
     ) -> None:
         self.tickets = tickets
         self._connect = connect
         self._handle = connect()
         self._retry_s = retry_s
+        self._batching = batch
+        self._admits: list[tuple[Ticket, asyncio.Future[_Answer]]] = []
+        self._releases: list[Release] = []
 
     async def admit(self, ticket: Ticket) -> RouteDecision:
+        if not self._batching:
+            return await self._admit_one(ticket)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[_Answer] = loop.create_future()
+        self._admits.append((ticket, fut))
+        if len(self._admits) == 1:  # the first of this turn sends them all
+            loop.call_soon(lambda: loop.create_task(self._send_admits()))
+        answer = await fut
+        if isinstance(answer, _Retry):
+            return await self._admit_one(ticket)
+        if answer is None:  # queued in the router: wait for it on its own
+            answer = await self._waiting(ticket)
+        if isinstance(answer, Shed):
+            raise answer
+        assert isinstance(answer, RouteDecision)
+        return answer
+
+    async def _waiting(self, ticket: Ticket) -> RouteDecision | Shed:
+        from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+        try:
+            answer: RouteDecision | Shed | None = await self._handle.admission.remote(
+                ticket.request_id
+            )
+        except (ActorDiedError, ActorUnavailableError):
+            answer = None
+        if answer is None:  # the router restarted and forgot its queue
+            return await self._admit_one(ticket)
+        return answer
+
+    async def _send_admits(self) -> None:
+        from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+        batch, self._admits = self._admits, []
+        try:
+            answers = await self._handle.admit_many.remote([t for t, _ in batch])
+        except (ActorDiedError, ActorUnavailableError):
+            answers = [_RETRY] * len(batch)
+        except Exception as e:
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(e)
+            return
+        for (ticket, fut), answer in zip(batch, answers, strict=True):
+            if not fut.cancelled():
+                fut.set_result(answer)
+            elif isinstance(answer, RouteDecision) or answer is None:
+                # Given up while the batch was out: hand back the slot it got,
+                # or withdraw it from its queue.
+                self.release(Release(ticket.request_id, Outcome.CANCELLED))
+
+    async def _admit_one(self, ticket: Ticket) -> RouteDecision:
         from ray.exceptions import ActorDiedError, ActorUnavailableError
 
         loop = asyncio.get_running_loop()
@@ -57,4 +128,18 @@ class RouterClient:
             return answer
 
     def release(self, release: Release) -> None:
-        self._handle.release.remote(release)
+        if not self._batching:
+            self._handle.release.remote(release)
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not on the ingress's loop: send it alone
+            self._handle.release.remote(release)
+            return
+        self._releases.append(release)
+        if len(self._releases) == 1:
+            loop.call_soon(self._send_releases)
+
+    def _send_releases(self) -> None:
+        batch, self._releases = self._releases, []
+        self._handle.release_many.remote(batch)
