@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= cluster/configs/tiny-cpu.yaml
 MODEL  := .models/tiny-deepseek-v2
 
-.PHONY: install serve test test-cpu-mla lint unit model proto clean fuzz chaos bench-peers bench-qos bench-kv bench-ep bench-tracing bench-overload bench-resume bench-structured bench-autoscale bench-autoscale-ep k8s
+.PHONY: install serve test test-cpu-mla lint unit model proto clean fuzz chaos bench-peers bench-router-admission bench-qos bench-kv bench-ep bench-tracing bench-overload bench-resume bench-structured bench-autoscale bench-autoscale-ep k8s
 
 install: $(STAMP)
 
@@ -72,6 +72,10 @@ clean:
 # (several minutes; writes tests/perf/results/peers.{json,md}).
 bench-peers: install
 	$(BIN)/python -m tests.perf.compare_peers
+
+# Admissions/s one router actor takes from 1, 4 and 16 ingress processes (~1 min).
+bench-router-admission: model
+	$(BIN)/python -m tests.perf.router_admission
 
 # Realtime TTFT alone / under a 2x background flood, router on and off (~9 min);
 # then the router's compute per decision per policy.

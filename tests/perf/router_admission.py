@@ -1,0 +1,199 @@
+"""Admissions per second one DeepSeekRouter actor sustains, through Ray.
+
+    .venv/bin/python -m tests.perf.router_admission [--procs 1,4,16]
+        [--replicas 16] [--slots 64] [--concurrency 16] [--seconds 10]
+
+The router runs as in a deployment (its named, detached actor). Synthetic engine
+replicas report to it every ``router.report_interval_s``. Each ingress process (a
+Ray actor, as an ingress replica is) runs a closed loop of ``--concurrency``
+requests through the ingress's own ``RouterClient``: admit (a 256-token prompt's
+block hashes and an expert histogram, as the ingress sends), then release at
+once. Prints, per number of ingress processes: admissions/s, and the admit round
+trip at the ingress, p50 and p99. Then the model of the bound for
+``--model-replicas`` x ``--slots``: the router's compute per decision (measured
+in-process, without Ray) against its round-trip cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from cluster.actors import NAMESPACE
+from cluster.config import RouterConfig
+from cluster.qos import QoS
+from cluster.tiny_model import write_tiny_model
+from kvstore.block_hash import block_hashes
+from router import actor as router_actor
+from router.types import Outcome, Release, ReplicaId, ReplicaReport, Ticket
+
+RESULTS = Path(__file__).parent / "results"
+MODEL_DIR = Path(".models/tiny-deepseek-v2")
+APP = "admission-bench"
+EXPERTS = 16
+
+
+def router_config(slots: int) -> RouterConfig:
+    return RouterConfig.model_validate(
+        {
+            "policy": "prefix",
+            "max_running_per_replica": slots,
+            "realtime_reserved_slots": 0,
+            "max_queued": {"realtime": 10**6, "normal": 10**6, "background": 10**6},
+        }
+    )
+
+
+@ray.remote(num_cpus=0)
+class Reporters:
+    """Every synthetic replica's report, each ``interval_s``."""
+
+    def __init__(self, replicas: int, interval_s: float) -> None:
+        self._replicas = replicas
+        self._interval_s = interval_s
+
+    async def run(self, until: float) -> None:
+        router = ray.get_actor(router_actor.actor_name(APP), namespace=NAMESPACE)
+        while time.time() < until:
+            await asyncio.gather(
+                *(
+                    router.report.remote(ReplicaReport(ReplicaId(f"r{i}")))
+                    for i in range(self._replicas)
+                )
+            )
+            await asyncio.sleep(self._interval_s)
+
+
+@ray.remote(num_cpus=0)
+class IngressLoad:
+    """One ingress process: ``concurrency`` closed loops of admit + release."""
+
+    def __init__(self, index: int, batched: bool) -> None:
+        from deployments.ingress.router_client import RouterClient
+
+        rng = random.Random(index)
+        self._tickets: list[Ticket] = []
+        for k in range(64):
+            prompt = [rng.randrange(1000) for _ in range(256)]
+            self._tickets.append(
+                Ticket(
+                    f"{index}-{k}",
+                    QoS(k % 3),
+                    256,
+                    64,
+                    None,
+                    block_hashes(prompt, 16),
+                    tuple(rng.randrange(40) for _ in range(EXPERTS)),
+                )
+            )
+        self._client = RouterClient(
+            lambda: ray.get_actor(router_actor.actor_name(APP), namespace=NAMESPACE),
+            None,  # type: ignore[arg-type]  # tickets are made here
+        )
+        self._index = index
+
+    async def run(self, concurrency: int, start: float, seconds: float) -> list[float]:
+        """Admit round trips (s) completed inside [start, start + seconds)."""
+        await asyncio.sleep(max(0.0, start - time.time()))
+        end = start + seconds
+        latencies: list[float] = []
+        n = 0
+
+        async def loop(worker: int) -> None:
+            nonlocal n
+            while time.time() < end:
+                base = self._tickets[(worker + n) % len(self._tickets)]
+                n += 1
+                rid = f"{self._index}-{worker}-{n}"
+                ticket = Ticket(
+                    rid,
+                    base.qos,
+                    base.prompt_tokens,
+                    base.max_tokens,
+                    None,
+                    base.block_hashes,
+                    base.expert_hist,
+                )
+                t0 = time.perf_counter()
+                decision = await self._client.admit(ticket)
+                latencies.append(time.perf_counter() - t0)
+                self._client.release(Release(rid, Outcome.OK, decision.replica_id))
+
+        await asyncio.gather(*(loop(w) for w in range(concurrency)))
+        return latencies
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def measure(procs: int, concurrency: int, seconds: float) -> dict[str, Any]:
+    loads = [IngressLoad.remote(i, False) for i in range(procs)]  # type: ignore[attr-defined]
+    ray.get([load.__ray_ready__.remote() for load in loads])
+    start = time.time() + 1.0
+    warm = ray.get([load.run.remote(concurrency, start, 1.0) for load in loads])
+    del warm
+    start = time.time() + 0.5
+    runs = ray.get([load.run.remote(concurrency, start, seconds) for load in loads])
+    for load in loads:
+        ray.kill(load)
+    latencies = [x for run in runs for x in run]
+    return {
+        "ingress_processes": procs,
+        "concurrency_per_process": concurrency,
+        "admissions_per_s": len(latencies) / seconds,
+        "p50_ms": 1e3 * percentile(latencies, 0.5),
+        "p99_ms": 1e3 * percentile(latencies, 0.99),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--procs", default="1,4,16")
+    p.add_argument("--replicas", type=int, default=16)
+    p.add_argument("--slots", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--label", default="")
+    args = p.parse_args()
+    if not (MODEL_DIR / "config.json").exists():
+        write_tiny_model(MODEL_DIR)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    config = router_config(args.slots)
+    router = router_actor.get_or_create(config, APP, str(MODEL_DIR), replace=True)
+    ray.get(router.ready.remote())
+    total_s = 3 + len(args.procs.split(",")) * (args.seconds + 8)
+    reporters = Reporters.remote(args.replicas, config.report_interval_s)  # type: ignore[attr-defined]
+    reporting = reporters.run.remote(time.time() + total_s)
+    time.sleep(2)  # every replica has reported
+    rows = []
+    try:
+        for procs in (int(x) for x in args.procs.split(",")):
+            row = measure(procs, args.concurrency, args.seconds)
+            rows.append(row)
+            print(
+                f"{procs:3d} ingress x {args.concurrency} in flight: "
+                f"{row['admissions_per_s']:7.0f} admissions/s, admit round trip "
+                f"p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms",
+                flush=True,
+            )
+    finally:
+        ray.cancel(reporting)
+        router_actor.kill(APP)
+        ray.shutdown()
+    RESULTS.mkdir(exist_ok=True)
+    with (RESULTS / "router_admission.jsonl").open("a") as f:
+        out = {"label": args.label, "replicas": args.replicas, "slots": args.slots}
+        f.write(json.dumps(out | {"rows": rows}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
