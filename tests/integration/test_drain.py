@@ -18,9 +18,12 @@ from tests.integration.test_router import router_snapshot
 
 RUN_LAST = True  # scales the session's engines down and back up
 STREAMS = 6  # least-loaded placement puts 3 on each replica
-# Long enough to outlast the drain timeout on any CPU: an AMX engine with its
-# model in the engine core runs 640 tokens of 3 streams in ~6 s.
-MAX_TOKENS = 1600
+# Long enough to outlast the drain timeout on any CPU (an AMX engine runs 640
+# tokens of 3 streams in ~6 s), and short enough that a stream's pages (all six
+# are the same greedy tokens) stay in the test's 64-page store, where the new
+# replica's warmup finds them: 1600 tokens on AMX_MLA (13 pages), 768 on
+# CPU_MLA's 16-token blocks (48 pages, ~12 s).
+MAX_TOKENS = min(1600, 48 * BLOCK)
 # Scaled down once every stream has two full blocks (saved to the page store).
 SCALE_AFTER = 2 * BLOCK + 8
 
