@@ -51,6 +51,7 @@ class RouterClient:
         self._batching = batch
         self._admits: list[tuple[Ticket, asyncio.Future[_Answer]]] = []
         self._releases: list[Release] = []
+        self._sending: set[asyncio.Task[None]] = set()
 
     async def admit(self, ticket: Ticket) -> RouteDecision:
         if not self._batching:
@@ -59,7 +60,7 @@ class RouterClient:
         fut: asyncio.Future[_Answer] = loop.create_future()
         self._admits.append((ticket, fut))
         if len(self._admits) == 1:  # the first of this turn sends them all
-            loop.call_soon(lambda: loop.create_task(self._send_admits()))
+            loop.call_soon(self._start_sending)
         answer = await fut
         if isinstance(answer, _Retry):
             return await self._admit_one(ticket)
@@ -82,6 +83,11 @@ class RouterClient:
         if answer is None:  # the router restarted and forgot its queue
             return await self._admit_one(ticket)
         return answer
+
+    def _start_sending(self) -> None:
+        task = asyncio.get_running_loop().create_task(self._send_admits())
+        self._sending.add(task)  # asyncio keeps only a weak reference
+        task.add_done_callback(self._sending.discard)
 
     async def _send_admits(self) -> None:
         from ray.exceptions import ActorDiedError, ActorUnavailableError
