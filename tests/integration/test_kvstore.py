@@ -40,7 +40,10 @@ PAGE_BYTES = page_bytes(PLATFORM)
 # third significant digit.
 F32 = PLATFORM.dtype == "float32"
 SAME = {"rtol": 1e-5, "atol": 1e-5} if F32 else {"rtol": 1e-2, "atol": 1e-2}
-CLOSE = {"rtol": 1e-7, "atol": 2e-2} if F32 else {"rtol": 2e-2, "atol": 2e-2}
+# bfloat16: a value near 2 rounds in steps of 1/64, and a schedule's different
+# accumulation order can move one element by a few steps (seen: 0.0215 on 1 of
+# ~885k elements).
+CLOSE = {"rtol": 1e-7, "atol": 2e-2} if F32 else {"rtol": 2e-2, "atol": 4e-2}
 
 
 @dataclass
