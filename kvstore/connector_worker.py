@@ -1,12 +1,12 @@
 """The connector's worker side (vLLM's model-runner process), with the arena mapped.
 
-``start_load`` checks each page's checksum in place and copies it into the
-request's blocks before the forward pass; a page that fails is dropped from the
-store and its blocks (and every later one of the request) are reported to vLLM,
-which recomputes them. ``save`` copies the blocks completed this step into
-reserved pages; a background thread checksums and publishes them, so the step
-waits only for the copy. On CUDA the arena is registered as pinned memory and
-both copies run on a side stream.
+``start_load`` copies each page into the request's blocks before the forward
+pass, checking its checksum on the way (``page_layer.load_page``); a page that
+fails is dropped from the store and its blocks (and every later one of the
+request) are reported to vLLM, which recomputes them. ``save`` copies the blocks
+completed this step into reserved pages; a background thread checksums and
+publishes them, so the step waits only for the copy. On CUDA the arena is
+registered as pinned memory and both copies run on a side stream.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from cluster import tracing
 from kvstore.arena import Arena, checksum
 from kvstore.connector_scheduler import Loads, PageSave
-from kvstore.page_layer import PageLayer
+from kvstore.page_layer import PageLayer, load_page
 from kvstore.rpc import StoreClient, StoreError, Written
 
 logger = logging.getLogger("moe_cluster.kvstore")
@@ -201,14 +201,18 @@ class StoreWorker:
         loaded = nbytes = 0
         for i, p in enumerate(pages):
             page = self._arena.page(p.slot)
-            if checksum(page) != p.checksum:
+            if not load_page(
+                self._layers,
+                page,
+                p.block_id,
+                p.checksum,
+                non_blocking=self._stream is not None,
+            ):
                 # Never serve it: this block and the rest of the prefix are
                 # recomputed by vLLM.
                 bad.append(p.page_hash)
                 self._load_errors.update(q.block_id for q in pages[i:])
                 break
-            for layer in self._layers:
-                layer.load(page, p.block_id, non_blocking=self._stream is not None)
             loaded += 1
             nbytes += page.nbytes
         return loaded, nbytes

@@ -9,11 +9,14 @@ blocks into the scheduler's blocks, as vLLM's own offloading connector reads it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import numpy.typing as npt
 import torch
+import xxhash
 
-from kvstore.arena import Bytes
+from kvstore.arena import Bytes, checksum
 
 
 class PageLayer:
@@ -77,3 +80,44 @@ class PageLayer:
             blk = self.block(block_id)
             dst = torch.from_numpy(part).view(blk.dtype).view(blk.shape)
             dst.copy_(blk, non_blocking=non_blocking)
+
+
+def load_page(
+    layers: Sequence[PageLayer],
+    page: Bytes,
+    block_id: int,
+    expected: int,
+    non_blocking: bool = False,
+) -> bool:
+    """Copies every layer's part of ``page`` into block ``block_id`` if the page's
+    bytes checksum to ``expected``; returns whether they did.
+
+    Host caches: each layer's part is checksummed right after it is copied, while
+    it is still in the CPU's cache, so the page is read from memory once (checking
+    the whole page before copying it read it twice). The parts cover the page in
+    order, so their running xxh3 is the page's. A page that fails has had its
+    blocks written: the caller reports them to vLLM, which recomputes them. Device
+    caches: the page is checked in place, then copied by DMA.
+    """
+    if not layers or layers[0].cache.is_cuda or not _covers(layers, page.nbytes):
+        if checksum(page) != expected:
+            return False
+        for layer in layers:
+            layer.load(page, block_id, non_blocking=non_blocking)
+        return True
+    running = xxhash.xxh3_64()
+    for layer in layers:
+        part = page[layer.offset : layer.offset + layer.nbytes]
+        layer.load(page, block_id)
+        running.update(part.data)
+    return bool(running.intdigest() == expected)
+
+
+def _covers(layers: Sequence[PageLayer], nbytes: int) -> bool:
+    """Whether the layers' parts tile ``nbytes`` in order, with no gap."""
+    offset = 0
+    for layer in layers:
+        if layer.offset != offset:
+            return False
+        offset += layer.nbytes
+    return offset == nbytes

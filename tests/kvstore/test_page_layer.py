@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.page_layer import PageLayer
+from kvstore.arena import checksum
+from kvstore.page_layer import PageLayer, load_page
 
 
 @pytest.mark.parametrize(
@@ -82,3 +83,49 @@ def test_kernel_blocks_are_grouped_into_the_schedulers_blocks() -> None:
 def test_a_cache_that_does_not_start_with_its_blocks_is_refused() -> None:
     with pytest.raises(ValueError, match="does not start with its 4 blocks"):
         PageLayer.of_vllm_cache("l0", torch.zeros(2, 4, 16), num_blocks=4, offset=0)
+
+
+def _page_of(layers: list[PageLayer], block_id: int) -> np.ndarray:
+    page = np.zeros(sum(x.nbytes for x in layers), dtype=np.uint8)
+    for layer in layers:
+        layer.save(page, block_id)
+    return page
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_load_page_checks_the_page_on_the_way_and_loads_every_layer(
+    dtype: torch.dtype,
+) -> None:
+    caches = [torch.randn(6, 16, 576).to(dtype) for _ in range(3)]
+    layers, offset = [], 0
+    for i, cache in enumerate(caches):
+        layers.append(PageLayer(f"l{i}", cache, 0, offset))
+        offset += layers[-1].nbytes
+    page = _page_of(layers, 1)
+    expected = checksum(page)  # the whole page's xxh3, as the store keeps it
+
+    assert load_page(layers, page, 4, expected)
+    for cache in caches:
+        assert torch.equal(cache[4].view(torch.uint8), cache[1].view(torch.uint8))
+
+    page[offset - 1] ^= 0x40  # one bit of the last layer's part
+    assert not load_page(layers, page, 5, expected)
+
+
+def test_load_page_checks_layers_that_do_not_tile_the_page_before_copying() -> None:
+    # A gap between the parts: the page is checked whole, and nothing is copied
+    # from a page that fails.
+    caches = [torch.randn(4, 8, 64) for _ in range(2)]
+    first = PageLayer("l0", caches[0], 0, 0)
+    layers = [first, PageLayer("l1", caches[1], 0, first.nbytes + 16)]
+    page = np.zeros(2 * first.nbytes + 16, dtype=np.uint8)
+    for layer in layers:
+        layer.save(page, 0)
+    expected = checksum(page)
+    assert load_page(layers, page, 2, expected)
+    assert torch.equal(caches[1][2], caches[1][0])
+
+    before = [c.clone() for c in caches]
+    page[first.nbytes + 3] ^= 1  # in the gap: still part of the page's bytes
+    assert not load_page(layers, page, 3, expected)
+    assert all(torch.equal(c, b) for c, b in zip(caches, before, strict=True))

@@ -2,15 +2,18 @@
 
     .venv/bin/python -m tests.perf.page_copy
 
-Two page sizes: one vLLM block (16 tokens) of the tiny model across its 4 layers
-(MLA latent 576 x fp32: 147 KiB) and of DeepSeek-V3 (64 tokens x 61 layers x 576 x
-bf16: 4.3 MiB). For each: a plain ``np.copyto`` between two private buffers, the
-arena copy alone (shared memory -> private buffer), and the arena load as the store
-does it (copy + xxh3 check of what arrived).
+Three page layouts: one vLLM block of the tiny model's 4 layers (MLA latent 576)
+as each CPU backend keeps it (16 tokens of fp32; 128 tokens of bf16), and one of
+DeepSeek-V3 (64 tokens x 61 layers of bf16: 4.3 MiB). For each: a plain
+``np.copyto`` between two private buffers (memcpy), the arena copy alone (shared
+memory -> private buffer), the arena load as a cross-node export does it (copy +
+xxh3 of what arrived), and the connector's own load into the layers' paged caches
+(``load_page``: checksummed on the way), with its ratio to memcpy.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 import uuid
 
@@ -18,9 +21,14 @@ import numpy as np
 
 from kvstore.arena import Arena
 
+LAYOUTS = {  # label -> (layers, tokens per block, dtype)
+    "tiny on CPU_MLA (16 tok x 4 layers x 576 x fp32)": (4, 16, "float32"),
+    "tiny on AMX_MLA (128 tok x 4 layers x 576 x bf16)": (4, 128, "bfloat16"),
+    "DeepSeek-V3 (64 tok x 61 layers x 576 x bf16)": (61, 64, "bfloat16"),
+}
 SIZES = {
-    "tiny (16 tok x 4 layers x 576 x fp32)": 16 * 4 * 576 * 4,
-    "DeepSeek-V3 (64 tok x 61 layers x 576 x bf16)": 64 * 61 * 576 * 2,
+    label: layers * tokens * 576 * (4 if dtype == "float32" else 2)
+    for label, (layers, tokens, dtype) in LAYOUTS.items()
 }
 TOTAL_BYTES = 1 << 30
 
@@ -61,20 +69,16 @@ def measure(page_bytes: int) -> dict[str, float]:
         arena.close()
 
 
-LAYOUTS = {  # label -> (layers, tokens per block, dtype)
-    "tiny (16 tok x 4 layers x 576 x fp32)": (4, 16, "float32"),
-    "DeepSeek-V3 (64 tok x 61 layers x 576 x bf16)": (61, 64, "bfloat16"),
-}
-
-
-def measure_connector(layers: int, tokens: int, dtype: str) -> float:
-    """GB/s of the connector's own load on CPU: xxh3 of the page in place, then
-    its ``PageLayer`` copies into each layer's paged cache (blocks scattered at
-    random), as ``PageStoreConnector.start_load_kv`` does."""
+def measure_connector(layers: int, tokens: int, dtype: str) -> dict[str, float]:
+    """GB/s of the connector's own load on CPU, against a memcpy of the same arena
+    pages into one private buffer, alternated three times (medians): the copies
+    alone (``PageLayer.load`` of every layer), and ``load_page`` as the
+    connector's ``start_load`` calls it (the copies, checking each page's xxh3 on
+    the way). Destinations are blocks scattered at random in each layer's paged
+    cache."""
     import torch
 
-    from kvstore.arena import checksum
-    from kvstore.connector import PageLayer
+    from kvstore.page_layer import PageLayer, load_page
 
     dt = getattr(torch, dtype)
     block_bytes = tokens * 576 * dt.itemsize
@@ -97,20 +101,38 @@ def measure_connector(layers: int, tokens: int, dtype: str) -> float:
             for j in range(layers)
         ]
         blocks = rng.permutation(pages * 2)[:pages].tolist()
-        t = time.perf_counter()
-        for _ in range(2):
+        private = np.ones((pages, page_bytes), dtype=np.uint8)
+
+        def memcpy() -> None:
+            for i in range(pages):
+                np.copyto(private[i], arena.page(i))
+
+        def copies() -> None:
             for i in range(pages):
                 page = arena.page(i)
-                assert checksum(page) == crcs[i]
                 for layer in cache_layers:
                     layer.load(page, blocks[i])
-        rate = _rate(2 * pages * page_bytes, time.perf_counter() - t)
+
+        def load() -> None:
+            for i in range(pages):
+                assert load_page(cache_layers, arena.page(i), blocks[i], crcs[i])
+
+        runs: dict[str, list[float]] = {"memcpy": [], "copies": [], "load_page": []}
+        for _ in range(4):  # the first round warms up
+            for label, f in (
+                ("memcpy", memcpy),
+                ("copies", copies),
+                ("load_page", load),
+            ):
+                t = time.perf_counter()
+                f()
+                runs[label].append(_rate(pages * page_bytes, time.perf_counter() - t))
         # What was loaded is the page, byte for byte.
         last = cache_layers[-1].block(blocks[-1]).contiguous().view(torch.uint8)
         tail = arena.page(pages - 1)[(layers - 1) * block_bytes :]
         assert np.array_equal(last.numpy().reshape(-1), tail)
-        del page, tail  # views into the arena: it closes below
-        return rate
+        del tail  # a view into the arena: it closes below
+        return {k: statistics.median(v[1:]) for k, v in runs.items()}
     finally:
         arena.close()
 
@@ -158,10 +180,19 @@ def main() -> None:
             f"| {label}, {size / 1024:.0f} KiB | {r['memcpy']:.1f} | "
             f"{r['arena copy']:.1f} | {r['arena load (copy + xxh3)']:.1f} |"
         )
-
-    for label, (layers, tokens, dtype) in LAYOUTS.items():
-        rate = measure_connector(layers, tokens, dtype)
-        print(f"{label}: connector load (xxh3 + per-layer copy) {rate:.1f} GB/s")
+    print()
+    print(
+        "| page | memcpy from the arena GB/s | connector copies GB/s (x memcpy) "
+        "| connector load, checked GB/s (x memcpy) |"
+    )
+    print("|---|---|---|---|")
+    for label, layout in LAYOUTS.items():
+        c = measure_connector(*layout)
+        m = c["memcpy"]
+        print(
+            f"| {label} | {m:.1f} | {c['copies']:.1f} ({c['copies'] / m:.2f}x) | "
+            f"{c['load_page']:.1f} ({c['load_page'] / m:.2f}x) |"
+        )
     for label, size in SIZES.items():
         g = measure_gpu(size)
         if g is None:
