@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= cluster/configs/tiny-cpu.yaml
 MODEL  := .models/tiny-deepseek-v2
 
-.PHONY: install serve test test-cpu-mla lint unit model proto clean fuzz chaos bench-peers bench-router-admission bench-qos bench-kv bench-ep bench-tracing bench-overload bench-resume bench-structured bench-autoscale bench-autoscale-ep k8s
+.PHONY: install serve test test-cpu-mla lint unit model proto clean fuzz chaos bench-peers bench-router-admission bench-qos bench-kv bench-ep bench-tracing bench-overload bench-resume bench-structured bench-autoscale bench-autoscale-ep bench-autoscale-nodes k8s
 
 install: $(STAMP)
 
@@ -106,6 +106,10 @@ bench-autoscale: model
 # The same with EP groups of 2 ranks on an in-process 2-node cluster (1 -> 2 groups).
 bench-autoscale-ep: model
 	$(BIN)/python -m tests.ep.autoscale_two_nodes $(MODEL) | grep -E '^(phase|result)'
+
+# The load step on a cluster that must add a node (Ray's fake multi-node provider).
+bench-autoscale-nodes: model
+	$(BIN)/python -m tests.perf.autoscale_nodes
 
 # Page store: page load bandwidth against memcpy; 512-token prefix TTFT on a second
 # replica with and without the store; a new replica's first TTFT with and without
