@@ -102,7 +102,7 @@ def check_platform(config: EngineConfig) -> Backend:
     with vLLM's own AMX test here (``cluster.platform`` read the CPU of the machine
     that loaded the config, which may not be this engine's node). Fails at once,
     naming what to set, where this node refuses it."""
-    if config.attention_backend not in (Backend.AMX_MLA, Backend.CPU_MLA):
+    if config.attention_backend not in CPU_BACKENDS:
         return Backend.GPU  # vLLM picks among its kernels
     import torch
 
