@@ -8,10 +8,12 @@ closed-loop request rate at 32 streams. Then, open loop for ``--duration``
 seconds, ``--factor`` times that rate: realtime 20% (TTFT deadline 1 s, its SLO),
 normal 30%, background 50%; 64-128 prompt and 32-64 output tokens, over gRPC.
 
-Every second it samples the resident memory (RSS) of the ingress replica, the
-router actor and Serve's proxy, and the router's queue depths. It reports:
+Every second it samples the resident memory (RSS) and CPU of the ingress replica,
+the router actor and Serve's proxy, and the router's queue depths; every 50 ms,
+the load generator's own event-loop lag. It reports:
 
-- RSS of each before, at its highest and after; the growth under load;
+- RSS of each before, at its highest and after; the growth under load; its CPU;
+- how late the load generator's loop ran (its TTFTs include that);
 - the deepest each class queue got, against its limit;
 - realtime TTFT p50/p99 of the requests served, against the 1 s SLO;
 - what was refused, by status, and how many refusals lacked a retry hint (goal 0);
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -96,9 +99,27 @@ async def _closed_loop() -> dict[str, Any]:
 
 async def _open_loop(
     offered: Workload, duration_s: float
-) -> tuple[dict[str, Any], HintCheckingBackend]:
+) -> tuple[dict[str, Any], HintCheckingBackend, list[float]]:
+    """The run, and the load generator's own event-loop lag (ms, every 50 ms):
+    what the client's timings include of its own delays."""
     backend = HintCheckingBackend(TARGET)
-    return await drive(backend, offered, SLO, duration_s=duration_s), backend
+    lags: list[float] = []
+    done = asyncio.Event()
+
+    async def probe() -> None:
+        loop = asyncio.get_running_loop()
+        while not done.is_set():
+            t = loop.time()
+            await asyncio.sleep(0.05)
+            lags.append((loop.time() - t - 0.05) * 1e3)
+
+    prober = asyncio.create_task(probe())
+    try:
+        summary = await drive(backend, offered, SLO, duration_s=duration_s)
+    finally:
+        done.set()
+        await prober
+    return summary, backend, lags
 
 
 class Sampler:
@@ -115,6 +136,10 @@ class Sampler:
         )
         self.procs = _components()
         self.rss: dict[str, list[float]] = {c: [] for c in COMPONENTS}
+        # CPU share of one core per component, and of each engine replica's
+        # processes (the replica and its engine core) together.
+        self.cpu: dict[str, list[float]] = {c: [] for c in COMPONENTS}
+        self._cpu_last = self._cpu_times()
         self.queued: dict[str, list[int]] = {q: [] for q in QUEUES}
         self.router_ttft_ms: dict[str, Any] = {}  # the router's view, at the end
         self._stop = threading.Event()
@@ -123,12 +148,26 @@ class Sampler:
     def sample(self) -> dict[str, float]:
         return {c: p.memory_info().rss / 2**20 for c, p in self.procs.items()}
 
+    def _cpu_times(self) -> tuple[float, dict[str, float]]:
+        times = {}
+        for c, p in self.procs.items():
+            try:
+                t = p.cpu_times()
+                times[c] = t.user + t.system
+            except psutil.Error:
+                times[c] = 0.0
+        return time.monotonic(), times
+
     def _run(self) -> None:
         import ray
 
         while not self._stop.wait(1.0):
             for c, mib in self.sample().items():
                 self.rss[c].append(mib)
+            (t0, before), (t1, now) = self._cpu_last, self._cpu_times()
+            self._cpu_last = (t1, now)
+            for c in COMPONENTS:
+                self.cpu[c].append((now[c] - before[c]) / (t1 - t0))
             snap = ray.get(self._router.snapshot.remote(), timeout=30)
             for q in QUEUES:
                 self.queued[q].append(snap.queued[q])
@@ -179,7 +218,7 @@ def main() -> None:
         offered = _workload(args.factor * capacity, seed=12)
         started = time.monotonic()
         with sampler:
-            summary, backend = asyncio.run(_open_loop(offered, args.duration))
+            summary, backend, lags = asyncio.run(_open_loop(offered, args.duration))
         took = time.monotonic() - started
         time.sleep(5)  # queues drained, garbage collected
         after = sampler.sample()
@@ -202,6 +241,18 @@ def main() -> None:
             for c in COMPONENTS
         },
         "router_ttft_ms": sampler.router_ttft_ms,
+        "cpu_share": {
+            c: {
+                "mean": statistics.fmean(v) if v else 0.0,
+                "max": max(v, default=0.0),
+            }
+            for c, v in sampler.cpu.items()
+        },
+        "client_loop_lag_ms": {
+            "p50": statistics.median(lags) if lags else 0.0,
+            "p99": sorted(lags)[int(0.99 * (len(lags) - 1))] if lags else 0.0,
+            "max": max(lags, default=0.0),
+        },
         "refused": backend.refused,
         "refused_without_hint": backend.without_hint[:10],
         "summary": summary,
@@ -241,13 +292,24 @@ def table(out: dict[str, Any]) -> str:
         f"\nThe router's view (submission to first token at the ingress, the "
         f"last 2,000 per class): {router}."
     )
-    rows += ["", "| process | RSS before (MiB) | max under load | after | growth |"]
-    rows.append("|---|---|---|---|---|")
+    rows += [
+        "",
+        "| process | RSS before (MiB) | max under load | after | growth "
+        "| CPU under load, mean / max (cores) |",
+        "|---|---|---|---|---|---|",
+    ]
     for c, r in out["rss_mib"].items():
+        cpu = out["cpu_share"][c]
         rows.append(
             f"| {c} | {r['before']:.0f} | {r['max']:.0f} | {r['after']:.0f} | "
-            f"{r['max'] - r['before']:+.0f} |"
+            f"{r['max'] - r['before']:+.0f} | {cpu['mean']:.2f} / {cpu['max']:.2f} |"
         )
+    lag = out["client_loop_lag_ms"]
+    rows.append(
+        f"\nThe load generator's event loop (in the same 2 cores) lagged p50 "
+        f"{lag['p50']:.0f} / p99 {lag['p99']:.0f} / max {lag['max']:.0f} ms: its "
+        "TTFTs include that much of its own delay."
+    )
     refused = ", ".join(f"{k} x{v}" for k, v in out["refused"].items()) or "none"
     rows.append(
         f"\nRefused: {refused}; without a retry hint: "
