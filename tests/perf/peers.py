@@ -110,6 +110,7 @@ def serve_moe_cluster(
 
     from cluster.config import ClusterConfig
     from deployments.app import deploy, prepare_model
+    from deployments.cli import trace_settings
 
     config = prepare_model(
         ClusterConfig.model_validate(
@@ -124,6 +125,7 @@ def serve_moe_cluster(
         )
     )
     os.environ.update(config.server.serve_env())
+    trace_settings(config)  # as `moe-cluster serve`: OTEL_* in the environment
     ray.init(num_cpus=2, include_dashboard=False)
     deploy(config)
 
