@@ -537,6 +537,16 @@ class ServerConfig(_Strict):
         "Serve 2.60's gRPC proxy has no TLS setting: gRPC stays plaintext (terminate "
         "TLS for it in front of the proxy).",
     )
+    ingress_on_main_loop: bool = Field(
+        True,
+        description="Run the ingress's request handlers on its replica's main event "
+        "loop (Ray Serve's RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0, for the "
+        "ingress replicas only) instead of a second thread. The two threads contend "
+        "for the GIL on every request and every relayed chunk: under three times the "
+        "capacity on 2 cores, realtime's TTFT at the client was p50 1.8-4.9 s with "
+        "the thread, 0.6 s without (`make bench-overload`). Handlers must not block "
+        "(they do not).",
+    )
     haproxy: bool = Field(
         False,
         description="Serve both ports through HAProxy instead of Serve's proxy "

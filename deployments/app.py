@@ -53,15 +53,27 @@ def build_app(config: ClusterConfig) -> Application:
     engine = EngineDeployment.options(
         **routing, **engine_options(config, engine_env(config.engine))
     ).bind(config)
+    return Ingress.options(**ingress_options(config)).bind(config, engine)
+
+
+# Ray Serve runs a replica's handlers on a second thread unless this is "0".
+USER_CODE_THREAD = "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"
+
+
+def ingress_options(config: ClusterConfig) -> dict[str, Any]:
+    """Serve options of the ingress deployment."""
     # The ingress only parses and relays: it takes no CPU from the engines.
-    # The ingress holds the client streams: stopped, it waits for them as long
-    # as the engines' drain and the resumptions after it may take.
-    return Ingress.options(
-        max_ongoing_requests=4096,
-        ray_actor_options={"num_cpus": 0},
-        graceful_shutdown_timeout_s=shutdown_timeout_s(config),
-        graceful_shutdown_wait_loop_s=DRAIN_CHECK_S,
-    ).bind(config, engine)
+    actor: dict[str, Any] = {"num_cpus": 0}
+    if config.server.ingress_on_main_loop:
+        actor["runtime_env"] = {"env_vars": {USER_CODE_THREAD: "0"}}
+    return {
+        "max_ongoing_requests": 4096,
+        "ray_actor_options": actor,
+        # The ingress holds the client streams: stopped, it waits for them as
+        # long as the engines' drain and the resumptions after it may take.
+        "graceful_shutdown_timeout_s": shutdown_timeout_s(config),
+        "graceful_shutdown_wait_loop_s": DRAIN_CHECK_S,
+    }
 
 
 def app_builder(args: dict[str, Any]) -> Application:

@@ -52,9 +52,17 @@ COMPONENTS = {  # what each process's command line says it is
 }
 
 
-def _mode(engine: str) -> Peer:
+def _mode(engine: str, server: str = "{}") -> Peer:
     router = json.dumps({"max_queued": QUEUES})
-    argv = _module("moe-cluster", "--router-json", router, "--engine-json", engine)
+    argv = _module(
+        "moe-cluster",
+        "--router-json",
+        router,
+        "--engine-json",
+        engine,
+        "--server-json",
+        server,
+    )
     return Peer("moe", "moe-cluster", argv, ())
 
 
@@ -201,10 +209,15 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=60.0)
     p.add_argument("--capacity", type=float, default=None, help="req/s; skip measuring")
     p.add_argument("--engine-json", default="{}", help="engine settings (JSON)")
+    p.add_argument(
+        "--server-json",
+        default="{}",
+        help="server settings (JSON), e.g. '{\"haproxy\": true}'",
+    )
     args = p.parse_args()
     logs = RESULTS / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    server = Server(_mode(args.engine_json), 2, logs / "overload.log")
+    server = Server(_mode(args.engine_json, args.server_json), 2, logs / "overload.log")
     try:
         capacity = args.capacity
         if capacity is None:
@@ -226,7 +239,9 @@ def main() -> None:
         server.stop()
     out = {
         "engine": json.loads(args.engine_json),
+        "server": json.loads(args.server_json),
         "capacity_req_s": capacity,
+        "capacity_measured": args.capacity is None,
         "factor": args.factor,
         "duration_s": args.duration,
         "run_s": took,
@@ -264,9 +279,14 @@ def main() -> None:
 
 def table(out: dict[str, Any]) -> str:
     s = out["summary"]
+    how = (
+        "measured"
+        if out.get("capacity_measured", True)
+        else "given with --capacity, as measured by an earlier run"
+    )
     rows = [
         f"Offered {out['factor']:g} x {out['capacity_req_s']:.2f} req/s (the mixed "
-        f"workload's measured capacity) for {out['duration_s']:.0f} s; the run "
+        f"workload's capacity, {how}) for {out['duration_s']:.0f} s; the run "
         f"took {out['run_s']:.0f} s until the last answer.",
         "",
         "| class | offered | served | refused | queue max / limit "
