@@ -91,11 +91,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
     wait_for_stop_signal()
     # Graceful: each engine replica shuts its vLLM engine down. Killing Ray's
     # workers instead would orphan vLLM's engine processes.
+    node_id = ray.get_runtime_context().get_node_id()
     serve.shutdown()
+    if config.server.haproxy:
+        ended = end_leftover_haproxy(node_id)
+        if ended:
+            print(f"moe-cluster: ended HAProxy left running: {ended}", flush=True)
     router_actor.kill(config.server.app_name)
     kv_actor.kill(config.server.app_name)  # the nodes' page arenas go with it
     ray.shutdown()
     return 0
+
+
+def end_leftover_haproxy(node_id: str) -> list[int]:
+    """Ends, by their ids, the HAProxy processes Ray Serve started for this node
+    (their config lives under a directory named by the node's id) that are still
+    running after ``serve.shutdown()``: Serve stops the one it tracks, but a
+    reload racing the shutdown can leave a newer one holding the ports, and the
+    next start then fails to bind them. Returns their ids."""
+    import psutil
+
+    marker = f"/{node_id}/"
+    left = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if cmd and Path(cmd[0]).name == "haproxy" and any(marker in a for a in cmd):
+            left.append(p)
+    for p in left:
+        p.terminate()
+    _, alive = psutil.wait_procs(left, timeout=10)
+    for p in alive:
+        p.kill()
+    return [p.pid for p in left]
 
 
 def wait_for_stop_signal() -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from cluster.config import ClusterConfig
 from cluster.tiny_model import write_tiny_model
-from deployments.cli import wait_for_stop_signal
+from deployments.cli import end_leftover_haproxy, wait_for_stop_signal
 
 MODEL_DIR = Path(".models/tiny-deepseek-v2")
 NAME = "tiny-deepseek-v2"
@@ -165,9 +165,12 @@ def main() -> None:
         )
     print("READY", flush=True)
     wait_for_stop_signal()
+    import ray
     from ray import serve
 
+    node_id = ray.get_runtime_context().get_node_id()
     serve.shutdown()  # engines shut down; `ray stop` alone would orphan them
+    end_leftover_haproxy(node_id)  # server.haproxy: one a reload left behind
 
 
 if __name__ == "__main__":
