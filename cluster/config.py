@@ -544,8 +544,8 @@ class ServerConfig(_Strict):
         "ingress replicas only) instead of a second thread. The two threads contend "
         "for the GIL on every request and every relayed chunk: under three times the "
         "capacity on 2 cores, realtime's TTFT at the client was p50 1.8-4.9 s with "
-        "the thread, 0.6 s without (`make bench-overload`). Handlers must not block "
-        "(they do not).",
+        "the thread, 0.6-0.8 s without (`make bench-overload`). Handlers must not "
+        "block (they do not).",
     )
     haproxy: bool = Field(
         False,
