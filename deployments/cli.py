@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import cluster
 from cluster import tracing
@@ -117,12 +118,20 @@ def end_leftover_haproxy(node_id: str) -> list[int]:
         cmd = p.info["cmdline"] or []
         if cmd and Path(cmd[0]).name == "haproxy" and any(marker in a for a in cmd):
             left.append(p)
-    for p in left:
+    return end_processes(left)
+
+
+def end_processes(procs: list[Any], timeout_s: float = 10.0) -> list[int]:
+    """Terminates ``procs`` (``psutil.Process``), kills those still running after
+    ``timeout_s``; returns their ids."""
+    import psutil
+
+    for p in procs:
         p.terminate()
-    _, alive = psutil.wait_procs(left, timeout=10)
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
     for p in alive:
         p.kill()
-    return [p.pid for p in left]
+    return [p.pid for p in procs]
 
 
 def wait_for_stop_signal() -> None:

@@ -108,6 +108,8 @@ def _since(start: float, t: float | None) -> float | None:
 
 def _end_leftovers(pids: set[int]) -> list[int]:
     """Ends, by id, processes this run started that outlived the cluster."""
+    from deployments.cli import end_processes
+
     left = []
     for pid in pids:
         try:
@@ -116,12 +118,7 @@ def _end_leftovers(pids: set[int]) -> list[int]:
                 left.append(p)
         except psutil.Error:
             pass
-    for p in left:
-        p.terminate()
-    _, alive = psutil.wait_procs(left, timeout=30)
-    for p in alive:
-        p.kill()
-    return [p.pid for p in left]
+    return end_processes(left, timeout_s=30)
 
 
 def main() -> None:
