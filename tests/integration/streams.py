@@ -99,10 +99,12 @@ def uninterrupted(
 
 def served_elsewhere(served: Served, away_from: str, n: int = 4) -> None:
     """Asserts ``n`` short requests are served, none by replica ``away_from``."""
+    # Greedy and past EOS: a sampled token can be EOS, ending a request early.
     short = pb.GenerateRequest(
-        token_ids=pb.TokenIds(ids=[5, 6]), sampling=pb.SamplingParams(max_tokens=4)
+        token_ids=pb.TokenIds(ids=[5, 6]),
+        sampling=pb.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
     )
     for _ in range(n):
         msgs = list(served.client().generate(short, timeout=60))
-        assert msgs[-1].finished.completion_tokens == 4
+        assert msgs[-1].finished.completion_tokens == 4, msgs
         assert msgs[-1].finished.replica_id != away_from
