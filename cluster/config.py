@@ -324,6 +324,44 @@ class PerClassCount(_Strict):
         return int(getattr(self, qos.name.lower()))
 
 
+class TenantRateLimit(_Strict):
+    """A tenant's token buckets: requests and tokens (prompt plus ``max_tokens``,
+    charged at admission) per second. A request over either gets
+    RESOURCE_EXHAUSTED / 429 with the time until it may be sent as its retry
+    hint."""
+
+    requests_per_s: float | None = Field(
+        None, gt=0, description="Requests admitted per second (None: unlimited)."
+    )
+    request_burst: float | None = Field(
+        None,
+        gt=0,
+        description="Requests admitted at once after a quiet spell (default: one "
+        "second's worth, at least 1).",
+    )
+    tokens_per_s: float | None = Field(
+        None,
+        gt=0,
+        description="Prompt plus max_tokens admitted per second (None: unlimited). "
+        "One request larger than the burst is admitted; the next wait out the debt.",
+    )
+    token_burst: float | None = Field(
+        None, gt=0, description="Tokens admitted at once (default: one second's worth)."
+    )
+
+    @model_validator(mode="after")
+    def _limits_something(self) -> TenantRateLimit:
+        if self.requests_per_s is None and self.tokens_per_s is None:
+            raise ValueError("set requests_per_s, tokens_per_s or both")
+        return self
+
+    def bursts(self) -> tuple[float, float]:
+        """(request burst, token burst), the defaults filled in."""
+        request = self.request_burst or max(1.0, self.requests_per_s or 1.0)
+        token = self.token_burst or (self.tokens_per_s or 1.0)
+        return request, token
+
+
 class RouterConfig(_Strict):
     """The DeepSeekRouter: admission by QoS class, replica choice and breakers."""
 
@@ -442,6 +480,36 @@ class RouterConfig(_Strict):
     replica_stale_s: float = Field(
         5.0, gt=0, description="A replica silent this long is dropped from routing."
     )
+    tenant_rate_limits: dict[str, TenantRateLimit] = Field(
+        default_factory=dict,
+        description="Token buckets per tenant, global across ingress replicas (the "
+        'router holds them). Keys are tenant names ("": the default tenant); "*" '
+        "gives each tenant not named its own buckets at that rate. Tenants are "
+        "bound to API keys (server.api_keys), so a client cannot spend another's "
+        "budget. A stream resumed after an engine failure is not charged again.",
+    )
+
+    @field_validator("tenant_rate_limits")
+    @classmethod
+    def _rate_limited_tenants(
+        cls, limits: dict[str, TenantRateLimit]
+    ) -> dict[str, TenantRateLimit]:
+        for t in limits:
+            if t not in ("", "*") and not is_id(t):
+                raise ValueError(
+                    f"tenant {t!r}: at most 128 letters, digits and '._:-', or '' "
+                    "or '*'"
+                )
+        return limits
+
+    @model_validator(mode="after")
+    def _limits_need_the_router(self) -> RouterConfig:
+        if self.tenant_rate_limits and not self.enabled:
+            raise ValueError(
+                "tenant_rate_limits are kept by the router: they need "
+                "router.enabled: true"
+            )
+        return self
 
 
 # Request ids and tenant names: the same rule in the config and the ingress.

@@ -28,6 +28,7 @@ from router.policies import (
     WeightedRoundRobin,
 )
 from router.prefix import PrefixView
+from router.rate_limits import TenantRateLimits
 from router.replicas import Lease, Replica
 from router.settings import CoreSettings
 from router.stats import GroupStats, Percentiles, ReplicaStats, RouterStats
@@ -65,6 +66,7 @@ RELEASED_MEMORY_S = 10.0
 # A stopped replica still reports while it drains; forgotten this long after.
 RETIRED_MEMORY_S = 600.0
 MIN_RETRY_S, MAX_RETRY_S = 0.5, 30.0
+PRUNE_EVERY_S = 5.0  # full rate-limit buckets of unnamed tenants are forgotten
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +115,8 @@ class RouterCore:
             config.expert_max_imbalance is not None
             or config.expert_max_tokens_per_s is not None
         )
+        self.rate_limits = TenantRateLimits(config.tenant_rate_limits, clock)
+        self._pruned_at = clock()
         self.expert_breakers: ExpertBreakers | None = None
         if config.expert_capacity_tokens is not None and num_experts:
             self.expert_breakers = ExpertBreakers(
@@ -150,6 +154,18 @@ class RouterCore:
                     f"expected time to first token ({self._ttft.value * 1000:.0f} ms)",
                 )
             )
+        cost = ticket.prompt_tokens + ticket.max_tokens
+        charged = bool(self.rate_limits) and not ticket.resumed
+        if charged and (limited := self.rate_limits.take(ticket.tenant, cost)):
+            return Submitted(
+                self._shed(
+                    qos,
+                    "rate-limit",
+                    f"tenant {ticket.tenant or '(default)'} is over its limit of "
+                    f"{limited.rate:g} {limited.what}/s; retry later",
+                    max(round(limited.retry_after_s, 2), 0.01),
+                )
+            )
         deadline_at = None if ticket.deadline_s is None else now + ticket.deadline_s
         waiting = Waiting(ticket, now, deadline_at, next(self._tokens))
         estimate = self.expected_wait(qos)
@@ -166,6 +182,8 @@ class RouterCore:
             return Submitted(mine, dispatched)
         if self.queues.over_limit(qos):  # it must wait, and its queue has no room
             self.queues.drop(waiting)
+            if charged:
+                self.rate_limits.give_back(ticket.tenant, cost)
             return Submitted(
                 self._shed(
                     qos,
@@ -177,6 +195,8 @@ class RouterCore:
             )
         if deadline_at is not None and now + estimate + self._ttft.value > deadline_at:
             self.queues.drop(waiting)
+            if charged:
+                self.rate_limits.give_back(ticket.tenant, cost)
             return Submitted(
                 self._shed(
                     qos,
@@ -418,6 +438,9 @@ class RouterCore:
                         "replica", rid, replica.breaker.state, "gone", now, "no report"
                     )
                 )
+        if self.rate_limits and now - self._pruned_at > PRUNE_EVERY_S:
+            self.rate_limits.prune()
+            self._pruned_at = now
         for req, at in list(self._released.items()):
             if now - at > RELEASED_MEMORY_S:
                 del self._released[req]

@@ -5,10 +5,11 @@ neither pydantic models nor YAML."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from cluster.qos import QoS
+from router.rate_limits import TenantLimit
 
 if TYPE_CHECKING:  # read by attribute only: the core never loads pydantic
     from cluster.config import RouterConfig
@@ -36,6 +37,7 @@ class CoreSettings:
     expert_max_tokens_per_s: float | None
     expert_min_window_tokens: int
     expert_probe_s: float
+    tenant_rate_limits: Mapping[str, TenantLimit] = field(default_factory=dict)
 
     @staticmethod
     def of(section: RouterConfig) -> CoreSettings:
@@ -59,4 +61,13 @@ class CoreSettings:
             expert_max_tokens_per_s=section.expert_max_tokens_per_s,
             expert_min_window_tokens=section.expert_min_window_tokens,
             expert_probe_s=section.expert_probe_s,
+            tenant_rate_limits={
+                tenant: TenantLimit(
+                    limit.requests_per_s,
+                    limit.bursts()[0],
+                    limit.tokens_per_s,
+                    limit.bursts()[1],
+                )
+                for tenant, limit in section.tenant_rate_limits.items()
+            },
         )

@@ -36,6 +36,7 @@ class TicketMaker:
         deadline_s: float | None,
         tenant: str = "",
         trace: Mapping[str, str] | None = None,
+        resumed: bool = False,
     ) -> Ticket:
         hashes = (
             block_hashes(prompt, self._block_size, salt=tenant or None)
@@ -51,4 +52,6 @@ class TicketMaker:
             hashes,
             self._predictor.histogram(prompt) if self._predictor else (),
             tuple(trace.items()) if trace else (),
+            tenant,
+            resumed,
         )

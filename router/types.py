@@ -25,6 +25,8 @@ class Ticket:
     block_hashes: tuple[BlockHash, ...] = ()  # the prompt's full blocks, chained
     expert_hist: tuple[int, ...] = ()  # predicted token->expert hits per routed expert
     trace: tuple[tuple[str, str], ...] = ()  # W3C trace context of the request
+    tenant: str = ""  # whose rate limits it draws on ("": the default tenant)
+    resumed: bool = False  # a stream going on after its engine failed: not charged
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 0 or self.max_tokens < 0:
@@ -47,7 +49,7 @@ class Shed(Exception):
 
     def __init__(self, reason: str, message: str, retry_after_s: float) -> None:
         super().__init__(message)
-        self.reason = reason  # "queue-full", "deadline", "no-replica"
+        self.reason = reason  # "queue-full", "deadline", "no-replica", "rate-limit"
         self.retry_after_s = retry_after_s
 
     def __reduce__(self) -> tuple[type[Shed], tuple[str, str, float]]:

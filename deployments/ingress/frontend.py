@@ -371,7 +371,9 @@ class Frontend:
         try:
             while True:
                 try:
-                    events, head = await self._open(current, deadline_s, tel)
+                    events, head = await self._open(
+                        current, deadline_s, tel, resumed=migrations > 0
+                    )
                     async for event in _chain(head, events):
                         if rid in self._aborted:
                             # abort() cancelled the engine stream; what it still
@@ -506,6 +508,8 @@ class Frontend:
         request: EngineRequest,
         deadline: float | None,
         tel: RequestTelemetry | None,
+        *,
+        resumed: bool = False,
     ) -> EngineRequest:
         """Waits for the router to dispatch ``request``; returns it placed."""
         if self._admission is None:
@@ -521,6 +525,7 @@ class Frontend:
             remaining,
             request.tenant,
             trace,
+            resumed,
         )
         waiting = asyncio.ensure_future(self._admission.admit(ticket))
         self._inflight[request.request_id] = _NotOpen(waiting)
@@ -555,9 +560,12 @@ class Frontend:
         request: EngineRequest,
         deadline_s: float | None,
         tel: RequestTelemetry | None = None,
+        *,
+        resumed: bool = False,
     ) -> tuple[AsyncIterator[EngineEvent], list[EngineEvent]]:
         """Admits the request, opens its engine stream and reads up to its first
-        output.
+        output. ``resumed``: it goes on from a failed stream (rate limits charged
+        it already).
 
         Returns the stream's remaining events and those already read. An engine
         failure before any output is retried on a fresh stream (the router may
@@ -567,7 +575,9 @@ class Frontend:
         loop = asyncio.get_running_loop()
         deadline = None if deadline_s is None else loop.time() + deadline_s
         for attempt in range(1, OPEN_ATTEMPTS + 1):
-            placed_request = await self._admit(request, deadline, tel)
+            placed_request = await self._admit(
+                request, deadline, tel, resumed=resumed or attempt > 1
+            )
             if tel is None:
                 stream = self._open_stream(placed_request)
             else:

@@ -31,6 +31,7 @@ from tests.waiting import wait_until  # noqa: F401 (the tests import it from her
 API_KEY = "test-key-123"  # any tenant: the tests name several
 TENANT_KEY = "acme-key-456"  # bound to the acme tenants (test_tenants.py)
 ACME_TENANTS = ["acme", "acme-eu"]
+METERED_TENANT = "metered"  # rate-limited (test_tenants.py)
 
 
 # The engines of the session's app. tests/ep/two_nodes.py runs its EP group with the
@@ -114,6 +115,10 @@ def app_settings(tiny_model: Path, **sections: dict[str, Any]) -> dict[str, Any]
             "max_queued": {"realtime": 8, "normal": 12, "background": 64},
             "breaker_open_s": 3,
             "report_interval_s": 0.25,
+            # A tenant only test_tenants.py names: 2 at once, then one per 5 s.
+            "tenant_rate_limits": {
+                METERED_TENANT: {"requests_per_s": 0.2, "request_burst": 2}
+            },
         },
         "kvstore": {
             # 64 pages of the tiny model: the eviction test can fill it.

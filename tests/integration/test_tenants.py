@@ -12,7 +12,13 @@ import httpx
 import pytest
 
 from deployments.proto import inference_pb2 as pb
-from tests.integration.conftest import ACME_TENANTS, TENANT_KEY, Served, wait_until
+from tests.integration.conftest import (
+    ACME_TENANTS,
+    METERED_TENANT,
+    TENANT_KEY,
+    Served,
+    wait_until,
+)
 
 
 def generate(served: Served, key: str, **kw: Any) -> list[pb.GenerateResponse]:
@@ -93,3 +99,34 @@ def test_a_key_cannot_abort_another_tenants_request(served: Served) -> None:
     reader.join(120)
     assert msgs[-1].finished.finish_reason == "length"  # it ran to the end
     assert msgs[-1].finished.completion_tokens == 200
+
+
+def test_a_tenant_over_its_rate_limit_is_refused_with_a_retry_hint(
+    served: Served,
+) -> None:
+    """The metered tenant may send 2 at once, then one per 5 s, through every
+    ingress replica together (the router keeps the buckets)."""
+    for _ in range(2):
+        assert generate(served, served.api_key, tenant=METERED_TENANT)[-1].finished
+    with pytest.raises(grpc.RpcError) as e:
+        generate(served, served.api_key, tenant=METERED_TENANT)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    details = e.value.details() or ""
+    assert "tenant metered is over its limit of 0.2 requests/s" in details
+    assert "retry after" in details
+    r = httpx.post(
+        f"{served.http_base}/v1/completions",
+        headers={"Authorization": f"Bearer {served.api_key}"},
+        json={
+            "model": "tiny-deepseek-v2",
+            "prompt": "hi",
+            "max_tokens": 2,
+            "tenant": METERED_TENANT,
+        },
+        timeout=60,
+    )
+    assert r.status_code == 429, r.text
+    assert 1 <= int(r.headers["Retry-After"]) <= 5
+    assert "over its limit" in r.json()["error"]["message"]
+    # Other tenants are not held back by it.
+    assert generate(served, served.api_key, tenant="unmetered")[-1].finished
