@@ -77,6 +77,15 @@ class EngineConfig(_Strict):
         "backend the fraction of host memory for the KV cache (keep it small there).",
     )
     max_num_seqs: int = Field(64, gt=0, description="Most sequences in one batch.")
+    realtime_batch_mates: int | None = Field(
+        None,
+        ge=0,
+        description="While a realtime request is in the engine, at most this many "
+        "background requests decode in its batch and no new background prefill "
+        "starts; the rest keep their KV and pause until no realtime request is "
+        "left. Realtime decodes at close to its speed alone. None: off (vLLM "
+        "batches every class together).",
+    )
     block_size: int | Literal["auto"] = Field(
         "auto",
         description="Tokens per KV block, and per page of the KV store. auto: 128 "

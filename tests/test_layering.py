@@ -10,13 +10,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ["cluster", "kvstore", "router", "deployments"]  # each may import those before
-# The one module vLLM loads into its own processes (the KV connector). Engine-side
+# The modules vLLM loads into its own processes (the KV connector, the stat
+# logger, the scheduler with the realtime guard). Engine-side
 # code elsewhere imports vLLM inside the functions that run with the engine.
 ENGINE_SIDE = {
     "kvstore/connector.py",
     "kvstore/connector_worker.py",
     "kvstore/page_layer.py",
     "deployments/engine/stat_logger.py",
+    "deployments/engine/scheduler.py",
 }
 
 

@@ -34,6 +34,9 @@ CPU_BACKENDS = (Backend.AMX_MLA.value, Backend.CPU_MLA.value)
 
 
 WORKER_EXTENSION = "deployments.engine.expert_load.ExpertLoadExtension"
+# engine.realtime_batch_mates: vLLM's scheduler with the guard, and its setting.
+GUARDED_SCHEDULER = "deployments.engine.scheduler.guarded_scheduler"
+BATCH_MATES_KEY = "moe_cluster_realtime_batch_mates"
 
 
 def engine_args(
@@ -59,6 +62,12 @@ def engine_args(
         transfer = transfer_config(kv_store_socket)
 
     backend = config.attention_backend
+    guard: dict[str, Any] = {}
+    if config.realtime_batch_mates is not None:
+        guard = {
+            "scheduler_cls": GUARDED_SCHEDULER,
+            "additional_config": {BATCH_MATES_KEY: config.realtime_batch_mates},
+        }
     executor = {}
     if config.executor != "auto":
         executor["distributed_executor_backend"] = config.executor
@@ -93,7 +102,7 @@ def engine_args(
         kv_transfer_config=transfer,
         worker_extension_cls=WORKER_EXTENSION if config.measures_expert_load else "",
         # An EP rank's own (parallel) wins.
-        **(executor | (parallel or {})),
+        **(guard | executor | (parallel or {})),
     )
 
 

@@ -47,6 +47,8 @@ ENGINE: dict[str, Any] = {
     "max_num_seqs": 16,
     "enforce_eager": True,
     "omp_num_threads": 1,
+    # One background request decodes beside realtime (test_batch_guard.py).
+    "realtime_batch_mates": 1,
 }
 # What the session's engines run with on this machine (they report it back).
 PLATFORM: EnginePlatform = ClusterConfig.model_validate(

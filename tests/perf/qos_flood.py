@@ -1,13 +1,18 @@
 """Realtime TTFT alone and under a background flood, with and without the router.
 
     .venv/bin/python -m tests.perf.qos_flood [--capacity REQ_S] [--duration 30]
+        [--modes router,guard,no-router]    # QOS_FLOOD_BATCH_MATES=2: guard's K
 
 Two moe-cluster engine replicas (one core each) on the tiny model, driven over gRPC
 by ``moe-cluster bench``'s load generator. For each mode (the DeepSeekRouter's QoS
 admission; then ``router.enabled: false``, Serve's own first-come routing):
 
 - realtime alone: 2 req/s (Poisson), 64 prompt / 32 output tokens;
-- the same realtime stream under background at 2x capacity (128 / 64 tokens).
+- the same realtime stream under background at 2x capacity (128 / 64 tokens);
+- (router mode) that background alone, for the throughput realtime costs it.
+
+Modes: the router; the router with ``engine.realtime_batch_mates`` (background
+pauses in an engine while realtime is in it); Serve's own routing.
 
 Capacity is the background shape's closed-loop request rate at 32 streams, measured
 once on the first mode. Also prints the router's own compute time per decision and
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 from typing import Any
 
@@ -36,8 +42,19 @@ REALTIME = ClassSpec(
 BACKGROUND = ClassSpec(
     "background", input_len=LengthRange(128, 128), output_len=LengthRange(64, 64)
 )
+GUARD_MATES = int(os.environ.get("QOS_FLOOD_BATCH_MATES", "2"))  # guard mode's
 MODES = (
     Peer("router", "router QoS", _module("moe-cluster"), ()),
+    Peer(
+        "guard",
+        f"router QoS, engine.realtime_batch_mates: {GUARD_MATES}",
+        _module(
+            "moe-cluster",
+            "--engine-json",
+            json.dumps({"realtime_batch_mates": GUARD_MATES}),
+        ),
+        (),
+    ),
     Peer(
         "no-router",
         "Serve routing (router off)",
@@ -113,7 +130,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--capacity", type=float, default=None, help="req/s; skip measuring")
     p.add_argument("--duration", type=float, default=30.0)
-    p.add_argument("--modes", default="router,no-router", help="comma-separated subset")
+    p.add_argument(
+        "--modes", default="router,guard,no-router", help="comma-separated subset"
+    )
     args = p.parse_args()
     logs = RESULTS / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -139,6 +158,10 @@ def main() -> None:
             flood = asyncio.run(_open(Workload((REALTIME, bg), seed=6), args.duration))
             out[mode.key] = {"alone": alone, "flood": flood}
             if mode.key == "router":
+                out[mode.key]["background_alone"] = asyncio.run(
+                    _open(Workload((bg,), seed=6), args.duration)
+                )
+            if mode.key == "router":
                 out[mode.key]["router"] = _router_latency()
         finally:
             server.stop()
@@ -151,17 +174,26 @@ def main() -> None:
 
 def table(out: dict[str, Any]) -> str:
     rows = [
-        "| mode | load | realtime TTFT p50 (ms) | p99 (ms) | realtime refused "
-        "| background done | background refused | background tok/s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mode | load | realtime TTFT p50 (ms) | p99 (ms) | realtime TPOT p50 (ms) "
+        "| p99 (ms) | realtime refused | background done | background refused "
+        "| background tok/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for key in [k for k in ("router", "no-router") if k in out]:
-        for load in ("alone", "flood"):
+    for key in [k for k in ("router", "guard", "no-router") if k in out]:
+        for load in ("alone", "flood", "background_alone"):
+            if load not in out[key]:
+                continue
             s = out[key][load]
-            rt, bg = s["realtime"], s.get("background")
+            rt, bg = s.get("realtime"), s.get("background")
             rows.append(
-                f"| {key} | {load} | {rt['ttft_ms']['p50']:.0f} | "
-                f"{rt['ttft_ms']['p99']:.0f} | {rt['requests'] - rt['completed']} | "
+                f"| {key} | {load.replace('_', ' ')} | "
+                + (
+                    f"{rt['ttft_ms']['p50']:.0f} | {rt['ttft_ms']['p99']:.0f} | "
+                    f"{rt['tpot_ms']['p50']:.2f} | {rt['tpot_ms']['p99']:.2f} | "
+                    f"{rt['requests'] - rt['completed']} | "
+                    if rt
+                    else "- | - | - | - | - | "
+                )
                 + (
                     f"{bg['completed']} | {bg['requests'] - bg['completed']} | "
                     f"{bg['output_tok_s']:.0f} |"

@@ -1,0 +1,126 @@
+"""The realtime guard over vLLM's scheduler, against a stand-in that schedules as
+vLLM's does in the two ways the guard uses: a running request decodes in a step
+only from its ``next_decode_eligible_step``, and waiting requests are admitted
+by priority while the running ones number under ``max_num_active_reqs``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+
+from cluster.qos import QoS
+from deployments.engine.args import BATCH_MATES_KEY
+from deployments.engine.scheduler import _RealtimeGuard
+
+RT, NORMAL, BG = int(QoS.REALTIME), int(QoS.NORMAL), int(QoS.BACKGROUND)
+
+
+@dataclass(eq=False)
+class Req:
+    name: str
+    priority: int
+    next_decode_eligible_step: int = 0
+
+
+class StandIn:
+    def __init__(self, running: list[Req], waiting: list[Req]) -> None:
+        self.running = running
+        self.waiting = waiting
+        self.kv_holding_waiting: list[Req] = []
+        self.current_step = 0
+        self.max_num_active_reqs = 8
+
+    def schedule(self) -> tuple[list[str], list[str]]:
+        """(requests decoded, requests admitted) this step."""
+        self.current_step += 1
+        decoded = [
+            r.name
+            for r in self.running
+            if self.current_step >= r.next_decode_eligible_step
+        ]
+        admitted = []
+        for r in sorted(self.waiting, key=lambda r: r.priority):
+            if len(self.running) >= self.max_num_active_reqs:
+                break
+            self.waiting.remove(r)
+            self.running.append(r)
+            admitted.append(r.name)
+        return decoded, admitted
+
+
+class Guarded(_RealtimeGuard, StandIn):
+    def __init__(self, running: list[Req], waiting: list[Req], mates: int) -> None:
+        StandIn.__init__(self, running, waiting)
+        self._init_guard(SimpleNamespace(additional_config={BATCH_MATES_KEY: mates}))
+
+
+def _bg(n: int) -> list[Req]:
+    return [Req(f"bg{i}", BG) for i in range(n)]
+
+
+def test_without_realtime_every_class_shares_the_batch() -> None:
+    s = Guarded([*_bg(4), Req("n", NORMAL)], [Req("bg-new", BG)], mates=1)
+    decoded, admitted = s.schedule()
+    assert decoded == ["bg0", "bg1", "bg2", "bg3", "n"]
+    assert admitted == ["bg-new"]
+    assert s.guarded_steps == 0
+
+
+def test_while_realtime_runs_only_k_background_decode_and_none_is_admitted() -> None:
+    running = [*_bg(4), Req("n", NORMAL), Req("rt", RT)]
+    waiting = [Req("bg-new", BG), Req("n-new", NORMAL), Req("rt-new", RT)]
+    s = Guarded(running, waiting, mates=2)
+    decoded, admitted = s.schedule()
+    assert decoded == ["bg0", "bg1", "n", "rt"]  # the oldest 2 background
+    assert admitted == ["rt-new", "n-new"]  # waiting background stays waiting
+    assert s.max_num_active_reqs == 8  # restored after the step
+    assert s.guarded_steps == 1
+    decoded, admitted = s.schedule()  # still guarded: the same hold
+    assert decoded == ["bg0", "bg1", "n", "rt", "rt-new", "n-new"]
+    assert admitted == []
+    # Realtime done: every background request goes on at the next step.
+    s.running = [r for r in s.running if r.priority != RT]
+    decoded, admitted = s.schedule()
+    assert decoded == ["bg0", "bg1", "bg2", "bg3", "n", "n-new"]
+    assert admitted == ["bg-new"]
+
+
+def test_a_realtime_request_still_waiting_already_holds_background() -> None:
+    s = Guarded(_bg(3), [Req("rt", RT)], mates=0)
+    decoded, admitted = s.schedule()
+    assert decoded == []  # its first step is its own prefill
+    assert admitted == ["rt"]
+
+
+def test_the_engine_core_gets_the_guard_over_the_scheduler_vllm_would_pick(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from deployments.engine import args, scheduler
+
+    assert issubclass(scheduler.GuardedAsyncScheduler, AsyncScheduler)
+    assert issubclass(scheduler.GuardedScheduler, Scheduler)
+    assert not issubclass(scheduler.GuardedScheduler, AsyncScheduler)
+    # What engine_args names resolves to the factory.
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    assert (
+        resolve_obj_by_qualname(args.GUARDED_SCHEDULER) is scheduler.guarded_scheduler
+    )
+    made: list[str] = []
+    for name in ("GuardedAsyncScheduler", "GuardedScheduler"):
+        monkeypatch.setattr(
+            scheduler,
+            name,
+            lambda n=name, **kw: made.append(n),  # type: ignore[misc]
+        )
+    for async_on in (True, False):
+        config = SimpleNamespace(
+            scheduler_config=SimpleNamespace(async_scheduling=async_on)
+        )
+        scheduler.guarded_scheduler(vllm_config=config)
+    assert made == ["GuardedAsyncScheduler", "GuardedScheduler"]
