@@ -1,6 +1,6 @@
 """Chaos: kill each component in turn under steady mixed-QoS greedy load.
 
-    make chaos     # every row (~9 min)
+    make chaos     # every row (~10 min)
 
 Each row kills one component of the session's 2-replica cluster under the load of
 ``tests/chaos/load.py`` and counts what its clients saw there; the last row loses a
@@ -19,6 +19,7 @@ from __future__ import annotations
 import pickle
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,20 @@ def _kill_ingress(served: Served, engine_handle: Any) -> None:
     ray.kill(ray.get_actor(ingress[0]["name"], namespace="serve"), no_restart=True)
 
 
+def _redeploy(served: Served, engine_handle: Any) -> None:
+    """Runs the app again (what ``serve.run`` of a new version does): Serve
+    replaces every replica, a few at a time; each stopped engine replica drains
+    and hands its streams off, each stopped ingress replica finishes its own."""
+    from deployments.app import deploy
+
+    before = set(engine_stats(engine_handle))
+    redeploying = threading.Thread(
+        target=deploy, args=(served.config,), kwargs={"external_scaler": True}
+    )
+    redeploying.start()
+    REDEPLOYS.append((redeploying, before))
+
+
 KILLS: list[tuple[str, Callable[[Served, Any], None]]] = [
     ("vLLM engine process", _kill_engine_process),
     ("engine replica actor", _kill_engine_replica),
@@ -137,7 +152,9 @@ KILLS: list[tuple[str, Callable[[Served, Any], None]]] = [
     ("node page store actor", _kill_store),
     ("page store directory actor", _kill_directory),
     ("ingress replica", _kill_ingress),
+    ("the whole app redeployed", _redeploy),
 ]
+REDEPLOYS: list[tuple[threading.Thread, set[str]]] = []
 
 
 @pytest.mark.parametrize(("component", "kill"), KILLS, ids=[k[0] for k in KILLS])
@@ -154,6 +171,11 @@ def test_component_killed_under_load(
     )
     ROWS.append(row)
     print(row)
+    if kill is _redeploy:  # every engine replica was replaced
+        redeploying, before = REDEPLOYS.pop()
+        redeploying.join(300)
+        assert not redeploying.is_alive(), "the redeploy did not finish"
+        assert not set(engine_stats(engine_handle)) & before
     assert row.wrong == 0
     if component != "ingress replica":  # it holds its own clients' connections
         assert (row.lost, row.failed) == (0, 0), row
