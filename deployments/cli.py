@@ -90,9 +90,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.no_block:
         return 0
     wait_for_stop_signal()
+    node_id = ray.get_runtime_context().get_node_id()
+    finish_streams(config)
+    # Then the app, with Serve's proxies still up to carry what is left of its
+    # streams: its engine replicas drain (deployment.drain_timeout_s) and its
+    # ingress replicas wait for their streams. Serve's shutdown alone would
+    # close the proxies, and every client stream with them, at once.
+    serve.delete(config.server.app_name)
     # Graceful: each engine replica shuts its vLLM engine down. Killing Ray's
     # workers instead would orphan vLLM's engine processes.
-    node_id = ray.get_runtime_context().get_node_id()
     serve.shutdown()
     if config.server.haproxy:
         ended = end_leftover_haproxy(node_id)
@@ -132,6 +138,37 @@ def end_processes(procs: list[Any], timeout_s: float = 10.0) -> list[int]:
     for p in alive:
         p.kill()
     return [p.pid for p in procs]
+
+
+def finish_streams(config: ClusterConfig, poll_s: float = 0.2) -> None:
+    """The first step of stopping: the router refuses new requests (UNAVAILABLE
+    / 503 with a retry hint, while the app still answers) and the streams in
+    flight run to their end, for up to ``deployment.drain_timeout_s``."""
+    import ray
+
+    from router import actor as router_actor
+
+    timeout = config.deployment.drain_timeout_s
+    if not config.router.enabled:
+        print("moe-cluster: stopping", flush=True)
+        return
+    router = ray.get_actor(
+        router_actor.actor_name(config.server.app_name),
+        namespace=router_actor.NAMESPACE,
+    )
+    ray.get(router.close.remote(), timeout=30)
+    running = ray.get(router.in_flight.remote(), timeout=30)
+    print(
+        f"moe-cluster: stopping; new requests are refused, {running} in flight "
+        f"have up to {timeout:g} s to finish",
+        flush=True,
+    )
+    give_up = time.monotonic() + timeout
+    while running and time.monotonic() < give_up:
+        time.sleep(poll_s)
+        running = ray.get(router.in_flight.remote(), timeout=30)
+    if running:
+        print(f"moe-cluster: {running} still running; stopping anyway", flush=True)
 
 
 def wait_for_stop_signal() -> None:

@@ -203,6 +203,18 @@ class DeepSeekRouter:
             logger.info("replicas stopping, draining: %s", ", ".join(removed))
         self._service.serving_changed(added, removed)
 
+    async def close(self) -> int:
+        """The cluster is shutting down: every request queued and every new one
+        is refused (UNAVAILABLE / 503, with a retry hint); those in flight, and
+        their resumptions, go on. Returns how many queued ones it refused."""
+        refused = self._service.close()
+        logger.warning("closing: new requests are refused (%d queued)", refused)
+        return refused
+
+    async def in_flight(self) -> int:
+        """Requests running on the replicas (dispatched, not released)."""
+        return self._service.core.in_flight()
+
     async def snapshot(self) -> RouterStats:
         return self._service.snapshot()
 

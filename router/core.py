@@ -66,6 +66,7 @@ RELEASED_MEMORY_S = 10.0
 # A stopped replica still reports while it drains; forgotten this long after.
 RETIRED_MEMORY_S = 600.0
 MIN_RETRY_S, MAX_RETRY_S = 0.5, 30.0
+CLOSING_RETRY_S = 1.0  # a refused client retries (on another cluster) after
 PRUNE_EVERY_S = 5.0  # full rate-limit buckets of unnamed tenants are forgotten
 
 
@@ -116,6 +117,9 @@ class RouterCore:
             or config.expert_max_tokens_per_s is not None
         )
         self.rate_limits = TenantRateLimits(config.tenant_rate_limits, clock)
+        # The cluster is shutting down: new requests are refused ("closing"),
+        # streams in flight (and their resumptions) go on.
+        self.closing = False
         self._pruned_at = clock()
         self.expert_breakers: ExpertBreakers | None = None
         if config.expert_capacity_tokens is not None and num_experts:
@@ -145,6 +149,15 @@ class RouterCore:
         pump order, come with it."""
         now = self._clock()
         qos = ticket.qos
+        if self.closing and not ticket.resumed:
+            return Submitted(
+                self._shed(
+                    qos,
+                    "closing",
+                    "the cluster is shutting down; retry",
+                    CLOSING_RETRY_S,
+                )
+            )
         if ticket.deadline_s is not None and ticket.deadline_s < self._ttft.value:
             return Submitted(
                 self._shed(
@@ -424,6 +437,31 @@ class RouterCore:
         """The kvstore directory's changes since the last call: which node's page
         store holds which page (``full``: everything, after either restarted)."""
         self.prefixes.follow_stores(changes)
+
+    def close(self) -> list[tuple[Waiting, Shed]]:
+        """The cluster is shutting down: refuses every request queued and every
+        new one; those dispatched run on."""
+        self.closing = True
+        shed = []
+        for qos in QoS:
+            for w in list(self.queues.waiting(qos)):
+                self.queues.drop(w)
+                shed.append(
+                    (
+                        w,
+                        self._shed(
+                            qos,
+                            "closing",
+                            "the cluster is shutting down; retry",
+                            CLOSING_RETRY_S,
+                        ),
+                    )
+                )
+        return shed
+
+    def in_flight(self) -> int:
+        """Requests dispatched and not yet released, on every replica."""
+        return sum(len(r.leases) for r in self.replicas.values())
 
     def tick(self) -> list[tuple[Waiting, Shed]]:
         """Drops silent replicas and sheds queued requests that can no longer meet

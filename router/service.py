@@ -142,11 +142,21 @@ class RouterService:
         self._drain()
 
     def tick(self) -> None:
-        for waiting, shed in self.core.tick():
+        self._refuse(self.core.tick())
+        self.pump()
+
+    def close(self) -> int:
+        """Refuses every queued and every new request (the cluster is shutting
+        down); returns how many were queued."""
+        shed = self.core.close()
+        self._refuse(shed)
+        return len(shed)
+
+    def _refuse(self, shed: list[tuple[Waiting, Shed]]) -> None:
+        for waiting, refusal in shed:
             fut = self._futures.get(waiting.token)
             if fut is not None and not fut.done():
-                fut.set_exception(shed)
-        self.pump()
+                fut.set_exception(refusal)
 
     async def _run(self) -> None:
         async def step() -> None:

@@ -49,7 +49,9 @@ class Shed(Exception):
 
     def __init__(self, reason: str, message: str, retry_after_s: float) -> None:
         super().__init__(message)
-        self.reason = reason  # "queue-full", "deadline", "no-replica", "rate-limit"
+        self.reason = (
+            reason  # "queue-full", "deadline", "no-replica", "rate-limit", "closing"
+        )
         self.retry_after_s = retry_after_s
 
     def __reduce__(self) -> tuple[type[Shed], tuple[str, str, float]]:

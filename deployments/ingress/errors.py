@@ -59,8 +59,11 @@ class Overloaded(ServiceError):
     status = OVERLOADED
 
 
+UNAVAILABLE = Status(grpc.StatusCode.UNAVAILABLE, 503, "server_error")
+
+
 class EngineUnavailable(ServiceError):
-    status = Status(grpc.StatusCode.UNAVAILABLE, 503, "server_error")
+    status = UNAVAILABLE
 
 
 INVALID = Status(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error")
@@ -74,7 +77,7 @@ def status_of(exc: BaseException) -> Status:
     if isinstance(exc, InvalidRequest):
         return INVALID
     if isinstance(exc, Shed):
-        return OVERLOADED
+        return UNAVAILABLE if exc.reason == "closing" else OVERLOADED
     if isinstance(exc, ServiceError):
         return exc.status
     return ServiceError.status
