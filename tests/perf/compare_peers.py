@@ -13,7 +13,10 @@ PrefixCacheAffinityRouter), and moe-cluster. All are driven over OpenAI HTTP by
 - S2: one replica, a realtime stream (0.5 req/s) under a background flood at 2x
   the baseline's measured capacity (Poisson, 30 s);
 - S3: two replicas, 4 shared prefixes of 512 tokens + 32 distinct tokens each,
-  8 streams (prefix reuse across replicas).
+  8 streams (prefix reuse across replicas);
+- S3b: two replicas with 64 MiB of KV cache each, 32 shared prefixes of ~1,600
+  tokens + ~100 distinct, 16 output tokens, 4 streams for 90 s: a prefix working
+  set 3-4x one engine's cache, which only a shared store can hold.
 
 Prompts are sent as text (the seeded token ids decoded with the model's
 tokenizer), the form every peer's router understands; random ids decode to text
@@ -67,6 +70,14 @@ S3 = Workload(
     prefix=PrefixGroups(4, 512),
     seed=3,
 )
+# Nominal lengths: the prompts, sent as text, re-tokenize to ~1.2x (~1,600 + ~100).
+S3B = Workload(
+    (ClassSpec("normal", input_len=lengths(84), output_len=lengths(16)),),
+    prefix=PrefixGroups(32, 1330),
+    seed=5,
+)
+S3B_KV_CACHE_MIB = 64
+S3B_SECONDS = 90.0
 
 
 @dataclass(frozen=True)
@@ -108,7 +119,7 @@ PEERS = (
         "rsllm-prefix",
         "Ray Serve LLM + prefix router",
         _module("ray-serve-llm", "--prefix-router"),
-        ("S3",),
+        ("S3", "S3b"),
     ),
     Peer(
         "moe-proxy",
@@ -121,7 +132,7 @@ PEERS = (
         "moe",
         "moe-cluster",
         _module("moe-cluster", "--server-json", '{"haproxy": true}'),
-        ("S1", "S2", "S3"),
+        ("S1", "S2", "S3", "S3b"),
     ),
 )
 
@@ -138,14 +149,16 @@ class Server:
     """One peer's server process group, ready when /v1/models answers (and, for
     the Ray-based peers, every replica runs)."""
 
-    def __init__(self, peer: Peer, replicas: int, log: Path) -> None:
+    def __init__(
+        self, peer: Peer, replicas: int, log: Path, extra: tuple[str, ...] = ()
+    ) -> None:
         self.peer = peer
         self.log = log.open("w")
         env = os.environ | ENV | dict(peer.env)
         started = time.monotonic()
         self.started_at = time.time()
         self.proc = subprocess.Popen(
-            peer.command(replicas),
+            [*peer.command(replicas), *extra],
             stdout=self.log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -217,7 +230,10 @@ async def drive(
                     backend, workload.requests(), concurrency, Limits(warmup)
                 )
             records, duration = await run_closed_loop(
-                backend, workload.requests(), concurrency, Limits(n)
+                backend,
+                workload.requests(),
+                concurrency,
+                Limits(n or None, duration_s),
             )
     finally:
         await backend.close()
@@ -225,8 +241,14 @@ async def drive(
 
 
 async def closed(
-    workload: Workload, concurrency: int, n: int, warmup: int = 2, grpc: bool = False
+    workload: Workload,
+    concurrency: int,
+    n: int,
+    warmup: int = 2,
+    grpc: bool = False,
+    duration_s: float | None = None,
 ) -> Any:
+    """Closed loop: ``n`` requests, or as many as ``duration_s`` allows (n=0)."""
     backend: Backend = (
         GrpcBackend(f"127.0.0.1:{PORT + 1}") if grpc else backend_for_peers()
     )
@@ -237,6 +259,7 @@ async def closed(
         concurrency=concurrency,
         n=n,
         warmup=warmup,
+        duration_s=duration_s,
     )
 
 
@@ -256,15 +279,26 @@ async def flood(background_rate: float, duration_s: float) -> Any:
     )
 
 
-def run_peer(peer: Peer, capacity: dict[str, float], logs: Path) -> dict[str, Any]:
+def run_peer(
+    peer: Peer,
+    capacity: dict[str, float],
+    logs: Path,
+    scenarios: frozenset[str] = frozenset(("S1", "S2", "S3", "S3b")),
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for replicas, names in ((1, ("S1", "S2")), (2, ("S3",))):
-        todo = [s for s in names if s in peer.scenarios]
+    kv = ("--kv-cache-mib", str(S3B_KV_CACHE_MIB))
+    for replicas, names, extra in (
+        (1, ("S1", "S2"), ()),
+        (2, ("S3",), ()),
+        (2, ("S3b",), kv),
+    ):
+        todo = [s for s in names if s in peer.scenarios and s in scenarios]
         if not todo:
             continue
         print(f"== {peer.label}: {replicas} replica(s), {todo}", flush=True)
         try:
-            server = Server(peer, replicas, logs / f"{peer.key}-{replicas}.log")
+            log = logs / f"{peer.key}-{replicas}{'-kv' if extra else ''}.log"
+            server = Server(peer, replicas, log, extra)
         except RuntimeError as e:
             out["error"] = str(e)
             continue
@@ -286,6 +320,10 @@ def run_peer(peer: Peer, capacity: dict[str, float], logs: Path) -> dict[str, An
                 out["S2"] = asyncio.run(flood(2 * capacity["rate"], 30.0))
             if "S3" in todo:
                 out["S3"] = asyncio.run(closed(S3, concurrency=8, n=48, warmup=4))
+            if "S3b" in todo:
+                out["S3b"] = asyncio.run(
+                    closed(S3B, concurrency=4, n=0, warmup=4, duration_s=S3B_SECONDS)
+                )
         except Exception as e:  # a peer that fails is a result too
             out["error"] = repr(e)
         finally:
@@ -316,6 +354,10 @@ ROWS = [
     ("S3", "all", "ttft_ms", "p99", "TTFT p99 (ms)", False),
     ("S3", "all", "output_tok_s", None, "output tok/s", True),
     ("S3", "all", "cached_prompt_share", None, "prompt tokens from cache", True),
+    ("S3b", "all", "ttft_ms", "p50", "TTFT p50 (ms)", False),
+    ("S3b", "all", "ttft_ms", "p99", "TTFT p99 (ms)", False),
+    ("S3b", "all", "output_tok_s", None, "output tok/s", True),
+    ("S3b", "all", "cached_prompt_share", None, "prompt tokens from cache", True),
 ]
 
 
@@ -423,8 +465,15 @@ def main() -> None:
         type=float,
         help="S2 baseline capacity in req/s (reuse an earlier run's, to compare)",
     )
+    parser.add_argument(
+        "--scenarios",
+        default="S1,S2,S3,S3b",
+        help="run only these (a partial run: peers.md is not replaced)",
+    )
     args = parser.parse_args()
     only = set(args.peers)
+    scenarios = frozenset(args.scenarios.split(","))
+    partial = bool(only) or scenarios != {"S1", "S2", "S3", "S3b"}
     capacity: dict[str, Any] = {}
     if args.capacity:
         capacity = {"rate": args.capacity, "measured_on": "an earlier run"}
@@ -432,13 +481,13 @@ def main() -> None:
     for peer in PEERS:
         if only and peer.key not in only:
             continue
-        results[peer.key] = run_peer(peer, capacity, logs)
-        name = "peers.json" if not only else "peers-partial.json"
+        results[peer.key] = run_peer(peer, capacity, logs, scenarios)
+        name = "peers.json" if not partial else "peers-partial.json"
         (RESULTS / name).write_text(
             json.dumps({"capacity": capacity, "results": results}, indent=1)
         )
     table = markdown(results, capacity)
-    if not only:  # a partial run does not replace the recorded comparison
+    if not partial:  # a partial run does not replace the recorded comparison
         (RESULTS / "peers.md").write_text(table)
     print(table)
 

@@ -59,7 +59,9 @@ def vllm_command(port: int) -> list[str]:
     ]  # fmt: skip
 
 
-def serve_ray_serve_llm(port: int, replicas: int, prefix_router: bool) -> None:
+def serve_ray_serve_llm(
+    port: int, replicas: int, prefix_router: bool, engine: dict[str, object]
+) -> None:
     import ray
     from ray import serve
     from ray.serve.llm import LLMConfig, build_openai_app
@@ -81,7 +83,7 @@ def serve_ray_serve_llm(port: int, replicas: int, prefix_router: bool) -> None:
             "model_id": NAME,
             "model_source": str(MODEL_DIR.resolve()),
         },
-        engine_kwargs={**ENGINE, **platform_kwargs()},
+        engine_kwargs={**engine, **platform_kwargs()},
         accelerator_config={"kind": "cpu"},
         placement_group_config={"bundles": [{"CPU": 1}]},
         deployment_config=deployment,
@@ -105,6 +107,7 @@ def serve_moe_cluster(
     router_settings: str = "{}",
     engine_settings: str = "{}",
     server_settings: str = "{}",
+    engine: dict[str, object] | None = None,
 ) -> None:
     import ray
 
@@ -116,7 +119,9 @@ def serve_moe_cluster(
         ClusterConfig.model_validate(
             {
                 "model": {"path": str(MODEL_DIR), "served_name": NAME},
-                "engine": ENGINE | {"omp_num_threads": 1} | json.loads(engine_settings),
+                "engine": (engine or ENGINE)
+                | {"omp_num_threads": 1}
+                | json.loads(engine_settings),
                 "deployment": {"num_replicas": replicas, "num_cpus": 1},
                 "server": {"http_port": port, "grpc_port": port + 1}
                 | json.loads(server_settings),
@@ -148,12 +153,21 @@ def main() -> None:
     p.add_argument(
         "--server-json", default="{}", help="moe-cluster: server settings (JSON)"
     )
+    p.add_argument(
+        "--kv-cache-mib",
+        type=int,
+        default=None,
+        help="each engine's KV cache (default: ENGINE's, 256 MiB)",
+    )
     args = p.parse_args()
+    engine = dict(ENGINE)
+    if args.kv_cache_mib is not None:
+        engine["kv_cache_memory_bytes"] = args.kv_cache_mib << 20
     os.environ.update(ENV)
     if not (MODEL_DIR / "config.json").exists():
         write_tiny_model(MODEL_DIR)
     if args.system == "ray-serve-llm":
-        serve_ray_serve_llm(args.port, args.replicas, args.prefix_router)
+        serve_ray_serve_llm(args.port, args.replicas, args.prefix_router, engine)
     else:
         serve_moe_cluster(
             args.port,
@@ -162,6 +176,7 @@ def main() -> None:
             args.router_json,
             args.engine_json,
             args.server_json,
+            engine,
         )
     print("READY", flush=True)
     wait_for_stop_signal()
