@@ -211,6 +211,10 @@ class DeepSeekRouter:
         logger.warning("closing: new requests are refused (%d queued)", refused)
         return refused
 
+    async def closing(self) -> bool:
+        """Whether ``close`` was called: the cluster is stopping."""
+        return self._service.core.closing
+
     async def in_flight(self) -> int:
         """Requests running on the replicas (dispatched, not released)."""
         return self._service.core.in_flight()

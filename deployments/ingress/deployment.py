@@ -190,14 +190,22 @@ class Ingress:
                 for k in config.server.credentials()
             ],
             open_stream=self._open_stream,
-            admission=_router_client(config),
+            admission=(router := _router_client(config)),
             migration_limit=config.router.migration_limit,
         )
+        self._router = router
 
     def _open_stream(self, request: EngineRequest) -> Any:
         return self._engine.options(stream=True).generate.remote(request)
 
     async def _engines_alive(self) -> bool:
+        """Whether the app takes requests: an engine replica answers, and the
+        cluster is not stopping (the router closed: health then says so, and
+        a load balancer that probes it sends no more)."""
+        if self._router is not None and await self._router.closing(
+            HEALTH_PROBE_TIMEOUT_S
+        ):
+            return False
         try:
             await asyncio.wait_for(
                 self._engine.stats.remote(), timeout=HEALTH_PROBE_TIMEOUT_S

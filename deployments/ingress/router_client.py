@@ -133,6 +133,17 @@ class RouterClient:
             assert isinstance(answer, RouteDecision)
             return answer
 
+    async def closing(self, timeout_s: float) -> bool:
+        """Whether the router has closed (the cluster is stopping); False when
+        it does not answer in ``timeout_s`` (its restart is not a stop)."""
+        try:
+            closing: bool = await asyncio.wait_for(
+                self._handle.closing.remote(), timeout_s
+            )
+        except Exception:
+            return False
+        return closing
+
     def release(self, release: Release) -> None:
         if not self._batching:
             self._handle.release.remote(release)

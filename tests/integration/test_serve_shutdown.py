@@ -1,7 +1,8 @@
 """Stopping `moe-cluster serve` (SIGTERM, as Ctrl-C or Kubernetes sends it) while a
 stream runs: the stream runs to its end; a request sent meanwhile is refused with
 UNAVAILABLE / 503 and a retry hint (not left hanging, not Serve's 404 of an app
-already gone); the command exits 0 and leaves none of its processes running.
+already gone) and health checks say NOT_SERVING; the command exits 0 and leaves
+none of its processes running.
 
 Its own cluster, in a child process, beside the session's (which idles)."""
 
@@ -20,6 +21,7 @@ import httpx
 import psutil
 import pytest
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deployments.cli import DEFAULT_CONFIG
 from deployments.proto import inference_pb2 as pb
@@ -70,7 +72,12 @@ def test_stopping_serve_lets_streams_finish_and_refuses_new_ones(
             time.sleep(1)
         root = psutil.Process(proc.pid)
         tree = [root, *root.children(recursive=True)]
-        stub = pb_grpc.InferenceStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
+        channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+        stub = pb_grpc.InferenceStub(channel)
+        serving = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=30
+        )
+        assert serving.status == health_pb2.HealthCheckResponse.SERVING
         late: list[tuple[object, str]] = []
 
         def send_late() -> None:
@@ -86,6 +93,12 @@ def test_stopping_serve_lets_streams_finish_and_refuses_new_ones(
             )
             late.append((r.status_code, r.text))
             late.append(("Retry-After", r.headers.get("Retry-After", "")))
+            health = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=30
+            )
+            late.append(("health", health.status))
+            r = httpx.get(f"http://127.0.0.1:{http}/health", timeout=30)
+            late.append((r.status_code, r.text))
 
         tokens, finished, stopped_at = 0, None, 0.0
         for msg in stub.Generate(_request(MAX_TOKENS), timeout=300):
@@ -104,12 +117,15 @@ def test_stopping_serve_lets_streams_finish_and_refuses_new_ones(
         assert finished is not None and tokens == MAX_TOKENS
         assert finished.finish_reason == "length"
         sender.join(60)
-        grpc_answer, http_answer, retry = late
+        grpc_answer, http_answer, retry, health, http_health = late
         assert grpc_answer[0] == grpc.StatusCode.UNAVAILABLE, late
         assert "shutting down" in grpc_answer[1] and "retry after" in grpc_answer[1]
         assert http_answer[0] == 503, late
         assert '"error"' in http_answer[1] and "shutting down" in http_answer[1]
         assert retry == ("Retry-After", "1")
+        # Health says the cluster is going: a balancer that probes it stops here.
+        assert health == ("health", health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert http_health == (503, '{"status":"unavailable"}'), http_health
         assert proc.wait(180) == 0, log.read_text()[-3000:]
         # Ray's own processes (its dashboard's heads) end a moment after it.
         _, alive = psutil.wait_procs(tree, timeout=30)
