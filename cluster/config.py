@@ -7,6 +7,7 @@ Unknown keys are errors at every level, so a typo fails at load, not at 3 a.m.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
 
@@ -503,12 +504,7 @@ class RouterConfig(_Strict):
     def _rate_limited_tenants(
         cls, limits: dict[str, TenantRateLimit]
     ) -> dict[str, TenantRateLimit]:
-        for t in limits:
-            if t not in ("", "*") and not is_id(t):
-                raise ValueError(
-                    f"tenant {t!r}: at most 128 letters, digits and '._:-', or '' "
-                    "or '*'"
-                )
+        check_tenant_names(limits)
         return limits
 
     @model_validator(mode="after")
@@ -530,6 +526,15 @@ def is_id(value: str) -> bool:
     return 0 < len(value) <= MAX_ID_CHARS and ID_RE.match(value) is not None
 
 
+def check_tenant_names(names: Iterable[str]) -> None:
+    """Tenant names in the config: ids, or "" (the default) or "*" (any)."""
+    for t in names:
+        if t not in ("", "*") and not is_id(t):
+            raise ValueError(
+                f"tenant {t!r}: at most 128 letters, digits and '._:-', or '' or '*'"
+            )
+
+
 class ApiKey(_Strict):
     """An API key and the tenants its requests may name."""
 
@@ -545,12 +550,7 @@ class ApiKey(_Strict):
     @field_validator("tenants")
     @classmethod
     def _tenant_names(cls, tenants: list[str]) -> list[str]:
-        for t in tenants:
-            if t not in ("", "*") and not is_id(t):
-                raise ValueError(
-                    f"tenant {t!r}: at most 128 letters, digits and '._:-', or '' "
-                    "or '*'"
-                )
+        check_tenant_names(tenants)
         return tenants
 
 

@@ -30,6 +30,17 @@ def generate(served: Served, key: str, **kw: Any) -> list[pb.GenerateResponse]:
     return list(served.client(key).generate(request, timeout=60))
 
 
+def complete(served: Served, key: str, tenant: str) -> httpx.Response:
+    """An OpenAI HTTP completion with ``key`` naming ``tenant``."""
+    return httpx.post(
+        f"{served.http_base}/v1/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        json={"model": "tiny-deepseek-v2", "prompt": "hi", "max_tokens": 2}
+        | {"tenant": tenant},
+        timeout=60,
+    )
+
+
 def test_a_key_may_name_only_its_tenants(served: Served) -> None:
     for tenant in ACME_TENANTS:
         assert generate(served, TENANT_KEY, tenant=tenant)[-1].finished
@@ -39,17 +50,7 @@ def test_a_key_may_name_only_its_tenants(served: Served) -> None:
     assert "tenant 'globex' is not allowed for this API key" in (
         e.value.details() or ""
     )
-    r = httpx.post(
-        f"{served.http_base}/v1/completions",
-        headers={"Authorization": f"Bearer {TENANT_KEY}"},
-        json={
-            "model": "tiny-deepseek-v2",
-            "prompt": "hi",
-            "max_tokens": 2,
-            "tenant": "globex",
-        },
-        timeout=60,
-    )
+    r = complete(served, TENANT_KEY, "globex")
     assert r.status_code == 403, r.text
     assert r.json()["error"]["type"] == "permission_error"
     # The key that allows any tenant still does.
@@ -114,17 +115,7 @@ def test_a_tenant_over_its_rate_limit_is_refused_with_a_retry_hint(
     details = e.value.details() or ""
     assert "tenant metered is over its limit of 0.2 requests/s" in details
     assert "retry after" in details
-    r = httpx.post(
-        f"{served.http_base}/v1/completions",
-        headers={"Authorization": f"Bearer {served.api_key}"},
-        json={
-            "model": "tiny-deepseek-v2",
-            "prompt": "hi",
-            "max_tokens": 2,
-            "tenant": METERED_TENANT,
-        },
-        timeout=60,
-    )
+    r = complete(served, served.api_key, METERED_TENANT)
     assert r.status_code == 429, r.text
     assert 1 <= int(r.headers["Retry-After"]) <= 5
     assert "over its limit" in r.json()["error"]["message"]
