@@ -152,21 +152,25 @@ def finish_streams(config: ClusterConfig, poll_s: float = 0.2) -> None:
     if not config.router.enabled:
         print("moe-cluster: stopping", flush=True)
         return
-    router = ray.get_actor(
-        router_actor.actor_name(config.server.app_name),
-        namespace=router_actor.NAMESPACE,
-    )
-    ray.get(router.close.remote(), timeout=30)
-    running = ray.get(router.in_flight.remote(), timeout=30)
-    print(
-        f"moe-cluster: stopping; new requests are refused, {running} in flight "
-        f"have up to {timeout:g} s to finish",
-        flush=True,
-    )
-    give_up = time.monotonic() + timeout
-    while running and time.monotonic() < give_up:
-        time.sleep(poll_s)
+    try:
+        router = ray.get_actor(
+            router_actor.actor_name(config.server.app_name),
+            namespace=router_actor.NAMESPACE,
+        )
+        ray.get(router.close.remote(), timeout=30)
         running = ray.get(router.in_flight.remote(), timeout=30)
+        print(
+            f"moe-cluster: stopping; new requests are refused, {running} in "
+            f"flight have up to {timeout:g} s to finish",
+            flush=True,
+        )
+        give_up = time.monotonic() + timeout
+        while running and time.monotonic() < give_up:
+            time.sleep(poll_s)
+            running = ray.get(router.in_flight.remote(), timeout=30)
+    except Exception as e:  # the stop goes on: the app's own drain still applies
+        print(f"moe-cluster: stopping; the router did not answer ({e!r})", flush=True)
+        return
     if running:
         print(f"moe-cluster: {running} still running; stopping anyway", flush=True)
 

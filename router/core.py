@@ -150,14 +150,7 @@ class RouterCore:
         now = self._clock()
         qos = ticket.qos
         if self.closing and not ticket.resumed:
-            return Submitted(
-                self._shed(
-                    qos,
-                    "closing",
-                    "the cluster is shutting down; retry",
-                    CLOSING_RETRY_S,
-                )
-            )
+            return Submitted(self._shed_closing(qos))
         if ticket.deadline_s is not None and ticket.deadline_s < self._ttft.value:
             return Submitted(
                 self._shed(
@@ -194,9 +187,7 @@ class RouterCore:
         if mine is not None:
             return Submitted(mine, dispatched)
         if self.queues.over_limit(qos):  # it must wait, and its queue has no room
-            self.queues.drop(waiting)
-            if charged:
-                self.rate_limits.give_back(ticket.tenant, cost)
+            self._withdraw(waiting, cost if charged else None)
             return Submitted(
                 self._shed(
                     qos,
@@ -207,9 +198,7 @@ class RouterCore:
                 dispatched,
             )
         if deadline_at is not None and now + estimate + self._ttft.value > deadline_at:
-            self.queues.drop(waiting)
-            if charged:
-                self.rate_limits.give_back(ticket.tenant, cost)
+            self._withdraw(waiting, cost if charged else None)
             return Submitted(
                 self._shed(
                     qos,
@@ -221,6 +210,13 @@ class RouterCore:
                 dispatched,
             )
         return Submitted(waiting, dispatched)
+
+    def _withdraw(self, waiting: Waiting, charged: int | None) -> None:
+        """Takes back a request just queued and then refused; gives its tenant
+        back the ``charged`` tokens (and the request) it was charged."""
+        self.queues.drop(waiting)
+        if charged is not None:
+            self.rate_limits.give_back(waiting.ticket.tenant, charged)
 
     def expected_wait(self, qos: QoS) -> float:
         """Seconds a new ``qos`` request would wait for dispatch (0 if unknown)."""
@@ -446,18 +442,13 @@ class RouterCore:
         for qos in QoS:
             for w in list(self.queues.waiting(qos)):
                 self.queues.drop(w)
-                shed.append(
-                    (
-                        w,
-                        self._shed(
-                            qos,
-                            "closing",
-                            "the cluster is shutting down; retry",
-                            CLOSING_RETRY_S,
-                        ),
-                    )
-                )
+                shed.append((w, self._shed_closing(qos)))
         return shed
+
+    def _shed_closing(self, qos: QoS) -> Shed:
+        return self._shed(
+            qos, "closing", "the cluster is shutting down; retry", CLOSING_RETRY_S
+        )
 
     def in_flight(self) -> int:
         """Requests dispatched and not yet released, on every replica."""

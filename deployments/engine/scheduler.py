@@ -18,6 +18,7 @@ on). ``K`` comes in the engine's ``additional_config`` (``BATCH_MATES_KEY``).
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -65,9 +66,15 @@ class _RealtimeGuard:
         the first ``K`` when a realtime request is in the engine. Returns how
         many realtime and normal requests wait (the room the step may admit),
         or ``None`` when there is nothing to guard."""
-        waiting = [*self.kv_holding_waiting, *self.waiting]
-        if not any(r.priority == _REALTIME for r in self.running) and not any(
-            r.priority == _REALTIME for r in waiting
+        # Every engine step comes here: nothing is built while the queues are
+        # empty, and nothing is walked past the first realtime request.
+        waiting = (
+            [*self.kv_holding_waiting, *self.waiting]
+            if self.kv_holding_waiting or self.waiting
+            else []
+        )
+        if not any(
+            r.priority == _REALTIME for r in itertools.chain(self.running, waiting)
         ):
             return None
         # The next schedule() call is step current_step + 1: skip it.
