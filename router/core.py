@@ -285,7 +285,7 @@ class RouterCore:
             r
             for r in self.replicas.values()
             if serving[r.group_key]
-            and not r.draining
+            and r.takes_work
             and r.breaker.allows()
             and r.slots_free(qos, slots, reserved)
         ]
@@ -298,11 +298,11 @@ class RouterCore:
         return out
 
     def _group_serves(self, ranks: list[Replica], qos: QoS) -> bool:
-        """A group takes work only whole: every rank reporting and none of them
-        failing (one dead rank stops the group), and its expert breaker allowing
-        ``qos``."""
+        """A group takes work only whole: every rank reporting and ready, none of
+        them failing (one dead rank stops the group) or stopping, and its expert
+        breaker allowing ``qos``."""
         whole = len(ranks) >= ranks[0].group_size
-        if not whole or any(r.breaker.state == OPEN or r.draining for r in ranks):
+        if not whole or any(r.breaker.state == OPEN or not r.takes_work for r in ranks):
             return False
         breaker = self.group_breakers.get(ranks[0].group_key)
         if breaker is None:
@@ -551,7 +551,7 @@ class RouterCore:
             oldest = next(self.queues.waiting(q), None)
             waits.append(now - oldest.submitted_at if oldest else 0.0)
         serving = [
-            r for r in self.replicas.values() if not r.draining and r.breaker.allows()
+            r for r in self.replicas.values() if r.takes_work and r.breaker.allows()
         ]
         return LoadSignals(
             queued=tuple(self.queues.depth(q) for q in CLASSES),  # type: ignore[arg-type]
@@ -582,6 +582,7 @@ class RouterCore:
                     cached_blocks=self.directory.num_blocks(rid),
                     node=r.node_id,
                     draining=r.draining,
+                    starting=not r.ready,
                 )
                 for rid, r in sorted(self.replicas.items())
             },

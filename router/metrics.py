@@ -78,6 +78,11 @@ class RouterMetrics:
             "1 while Serve stops the replica (it takes no new work), else 0.",
             ("replica",),
         )
+        self._starting = metrics.Gauge(
+            "moe_cluster_router_replica_starting",
+            "1 while the replica starts (warms up; it takes no work yet), else 0.",
+            ("replica",),
+        )
         self._ttft_estimate = metrics.Gauge(
             "moe_cluster_router_ttft_estimate_seconds",
             "The router's estimate of a new request's time to first token.",
@@ -121,6 +126,7 @@ class RouterMetrics:
             self._breaker.set(_BREAKER_VALUE.get(r.breaker, 0), tags=tags)
             self._running.set(r.running, tags=tags)
             self._draining.set(int(r.draining), tags=tags)
+            self._starting.set(int(r.starting), tags=tags)
         self._ttft_estimate.set(stats.ttft_estimate_s)
         if stats.prefix_hit_rate is not None:
             self._prefix_hit_rate.set(stats.prefix_hit_rate)

@@ -46,6 +46,7 @@ class Replica:
     group_size: int = 1
     node_id: str = ""  # where it runs ("": unknown, no page store counted)
     draining: bool = False  # Serve is stopping it: no new work, leases finish
+    ready: bool = True  # False while it starts (warms up): no work yet
     # Sum of the leases' predicted expert hits, kept as leases come and go.
     _predicted: dict[int, float] = field(default_factory=dict)
 
@@ -71,6 +72,11 @@ class Replica:
     @property
     def load_tokens(self) -> int:
         return sum(lease.remaining_tokens for lease in self.leases.values())
+
+    @property
+    def takes_work(self) -> bool:
+        """Ready (started) and not being stopped."""
+        return self.ready and not self.draining
 
     @property
     def group_key(self) -> str:
@@ -105,6 +111,7 @@ class Replica:
         self.measured = report.expert_load
         self.group, self.group_size = report.group, report.group_size
         self.node_id = report.node_id
+        self.ready = report.ready
         seen = set()
         for p in report.requests:
             seen.add(p.request_id)

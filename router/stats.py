@@ -42,6 +42,7 @@ class ReplicaStats:
     cached_blocks: int  # blocks its engine's own prefix cache holds
     node: str  # the Ray node it runs on ("" until it says)
     draining: bool = False  # Serve is stopping it: it takes no new work
+    starting: bool = False  # it reports but is not ready: no work yet
 
 
 @dataclass(frozen=True, slots=True)

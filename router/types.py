@@ -172,6 +172,9 @@ class ReplicaReport:
     rank: int = 0
     group_size: int = 1
     node_id: str = ""  # the Ray node: its page store's pages are the replica's too
+    # False while the replica starts (its engine warms up, Serve has not yet put
+    # it in the handles' sets): it reports, but the router places nothing there.
+    ready: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -140,6 +140,11 @@ class EngineServer:
             ]
         if config.kvstore.enabled:
             await self._warmup(config)
+        if self._reporter is not None:
+            # Serve adds the replica to the handles' sets once this returns (and
+            # a health check passes); the ingress waits for a replica it was told
+            # of but does not know yet (deployments.engine.pinned_router).
+            self._reporter.started()
         logger.info("engine replica %s ready", replica_id)
 
     async def _refresh_metrics(self) -> None:

@@ -4,9 +4,12 @@ placed it.
 The DeepSeekRouter already decided admission order and replica; Serve's job is only
 delivery. The chosen replica travels in ``EngineRequest.replica_id`` (or in a
 ``Pin``, for a call without a request). Calls without one (aborts, stats, router
-disabled) may go to any replica, and a request
-whose replica has left the candidate set (it died, or was just replaced) goes to
-any other: the ingress learns where it ran from the stream's ``Started`` event.
+disabled) may go to any replica, and a request whose replica has left the
+candidate set (it died, or Serve is stopping it) goes to any other: the ingress
+learns where it ran from the stream's ``Started`` event. A replica this handle has
+not seen yet has just started: Serve tells the handles a moment after the replica
+tells the router, so a request placed there waits for it (``NEW_REPLICA_WAIT_S``)
+instead of landing where the router did not put it.
 
 It is also where the DeepSeekRouter learns that Serve is stopping a replica
 (scale-down, redeploy, shutdown): Serve takes a stopping replica out of every
@@ -19,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
+from collections import deque
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -27,6 +32,12 @@ from deployments.protocol import EngineRequest, Pin
 
 logger = logging.getLogger("moe_cluster.ingress")
 TELL_TIMEOUT_S = 10.0
+# How long a request placed on a replica this handle has not seen yet waits for
+# Serve to add it, before it goes to any other.
+NEW_REPLICA_WAIT_S = 3.0
+# Replicas that left this handle's set, remembered so that a request placed on
+# one goes elsewhere at once (it is stopping or dead, not starting).
+GONE_REMEMBERED = 256
 
 
 def target_of(pending: PendingRequest | None) -> str:
@@ -40,16 +51,27 @@ class PinnedRequestRouter(RequestRouter):
     # NOTE: no FIFOMixin: that would hand a freed replica to whichever request
     # waits first, not to the one placed there. The base class matches exactly.
 
+    def initialize_state(self, **kwargs: Any) -> None:
+        self._gone: deque[str] = deque(maxlen=GONE_REMEMBERED)
+
     async def choose_replicas(
         self,
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         target = target_of(pending_request)
+        if pending_request is not None:
+            # Retries (a full replica, one not here yet) back off instead of
+            # spinning the event loop.
+            pending_request.routing_context.should_backoff = True
         if target:
             for replica in candidate_replicas:
                 if replica.replica_id.unique_id == target:
                     return [[replica]]
+            assert pending_request is not None
+            waited = time.time() - pending_request.created_at
+            if target not in self._gone and waited < NEW_REPLICA_WAIT_S:
+                return []  # just started: Serve adds it to this handle shortly
         # Anywhere: two at random, as Serve's default (it takes the less busy);
         # a fixed order would send every such call to the same replica.
         return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
@@ -59,6 +81,7 @@ class PinnedRequestRouter(RequestRouter):
         super().update_replicas(replicas)
         now = {r.replica_id.unique_id for r in replicas}
         added, removed = sorted(now - before), sorted(before - now)
+        self._gone.extend(removed)
         if added or removed:
             self._event_loop.create_task(self._tell_router(added, removed))
 

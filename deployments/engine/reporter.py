@@ -58,8 +58,16 @@ class Reporter:
         # (True), or no longer (False).
         self._on_draining = on_draining
         self._draining = False
+        # Reports say "not ready" until the replica has started (``ready``): the
+        # router knows it, its blocks and its load, but places nothing there.
+        self._ready = False
         # The router's view of the load in its last answer (for the autoscaler).
         self.load: dict[str, float] = {}
+
+    def started(self) -> None:
+        """The replica is ready for work: from the next report the router may
+        place requests here."""
+        self._ready = True
 
     async def run(self) -> None:
         import ray.exceptions
@@ -84,6 +92,7 @@ class Reporter:
                 rank=self._group[1],
                 group_size=self._group[2],
                 node_id=self._node_id,
+                ready=self._ready,
             )
             try:
                 if self._handle is None:

@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 
 from deployments.proto import inference_pb2 as pb
-from tests.integration.conftest import Served
+from tests.integration.conftest import Served, wait_until
 
 
 @dataclass
@@ -21,6 +21,7 @@ class Stream:
     tokens: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     at: list[float] = field(default_factory=list)
+    ends: list[int] = field(default_factory=list)  # tokens so far, per chunk
     finished: Any = None
     code: grpc.StatusCode | None = None
     details: str = ""
@@ -28,10 +29,32 @@ class Stream:
     def gaps(self) -> list[float]:
         return [b - a for a, b in zip(self.at, self.at[1:], strict=False)]
 
-    def seam(self) -> float:
-        """When the chunk after the longest pause came (a resumed stream's first)."""
-        gaps = self.gaps()
-        return self.at[gaps.index(max(gaps)) + 1]
+    def resumed_at(self, tokens_sent: int) -> float:
+        """When the first chunk past ``tokens_sent`` tokens came: a stream that
+        migrated after that many, its first chunk from the new replica."""
+        return next(
+            t for t, n in zip(self.at, self.ends, strict=True) if n > tokens_sent
+        )
+
+
+def migrated_after(served: Served, rid: str) -> int:
+    """How many tokens request ``rid`` had sent when it migrated (the migration
+    event of its trace; it migrated once)."""
+    assert served.traces is not None
+    traces = served.traces
+
+    def migration() -> list[dict[str, Any]] | None:
+        found = [
+            attrs
+            for s in traces.spans()
+            if s.attributes.get("gen_ai.response.id") == rid
+            for name, attrs in s.events
+            if name == "migration"
+        ]
+        return found or None
+
+    [event] = wait_until(migration, 30, f"the migration event of {rid}'s trace")
+    return int(event["moe_cluster.migration.tokens_sent"])
 
 
 def start(
@@ -58,6 +81,7 @@ def start(
                     out.tokens += msg.chunk.token_ids
                     out.text.append(msg.chunk.text)
                     out.at.append(time.monotonic())
+                    out.ends.append(len(out.tokens))
                     if not told and len(out.tokens) >= after:
                         told = True
                         ready.release()

@@ -344,3 +344,21 @@ def test_a_replica_retired_before_its_first_report_drains_from_the_start() -> No
     clock.advance(601)
     core.tick()
     assert core.retired == {}
+
+
+def test_a_starting_replica_is_known_but_gets_work_only_once_ready() -> None:
+    """A replica reports while it warms up, before Serve's handles can reach it:
+    the router counts it, but places nothing there until it says it is ready."""
+    core = _core(Clock())
+    core.report(ReplicaReport(ReplicaId("c"), ready=False))
+    assert core.snapshot().replicas["c"].starting
+    assert core.load_signals().serving == 2
+    # Least-loaded would pick the idle "c" first; it waits for "c" instead.
+    placed = [submit(core, _t(f"s{i}")) for i in range(4)]
+    assert {d.replica_id for d in placed if isinstance(d, RouteDecision)} == {"a", "b"}
+    assert isinstance(submit(core, _t("w")), Waiting)
+    core.report(ReplicaReport(ReplicaId("c")))
+    assert not core.snapshot().replicas["c"].starting
+    [(w, d)] = core.pump()
+    assert w.ticket.request_id == "w" and d.replica_id == "c"
+    assert core.load_signals().serving == 3

@@ -231,3 +231,29 @@ async def test_reporter_keeps_the_routers_load_view_for_the_autoscaler() -> None
         assert reporter.load == {"queued_realtime": 3.0}
     finally:
         task.cancel()
+
+
+async def test_reporter_says_not_ready_until_the_replica_has_started() -> None:
+    router = FakeRouter()
+    reporter = Reporter(
+        "r1",
+        progress=lambda: (),
+        tokens_generated=lambda: 0,
+        connect=lambda: router,
+        interval_s=0.01,
+    )
+    task = asyncio.create_task(reporter.run())
+
+    async def reports(n: int) -> None:
+        while len(router.reports) < n:
+            await asyncio.sleep(0.005)
+
+    try:
+        await reports(2)  # known to the router while it warms up ...
+        assert not any(r.ready for r in router.reports)
+        reporter.started()  # ... and given work from the next report on
+        n = len(router.reports)
+        await reports(n + 1)
+        assert router.reports[n].ready
+    finally:
+        task.cancel()

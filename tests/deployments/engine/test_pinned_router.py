@@ -1,6 +1,13 @@
+import time
 from typing import Any
 
-from deployments.engine.pinned_router import PinnedRequestRouter, target_of
+from ray.serve._private.request_router.common import RequestRoutingContext
+
+from deployments.engine.pinned_router import (
+    NEW_REPLICA_WAIT_S,
+    PinnedRequestRouter,
+    target_of,
+)
 from deployments.protocol import EngineRequest, Pin, Sampling
 
 
@@ -10,18 +17,27 @@ class _Replica:
 
 
 class _Pending:
-    def __init__(self, *args: Any) -> None:
+    def __init__(self, *args: Any, age_s: float = 0.0) -> None:
         self.args = list(args)
+        self.created_at = time.time() - age_s
+        self.routing_context = RequestRoutingContext()
+
+
+def _router() -> PinnedRequestRouter:
+    router = PinnedRequestRouter.__new__(PinnedRequestRouter)  # no Serve state needed
+    router.initialize_state()
+    return router
 
 
 async def test_pinned_requests_go_to_their_replica_and_others_spread() -> None:
-    router = PinnedRequestRouter.__new__(PinnedRequestRouter)  # no Serve state needed
+    router = _router()
     replicas: list[Any] = [_Replica(r) for r in ("a", "b", "c")]
     req = EngineRequest("r", (1,), Sampling(max_tokens=1), replica_id="b")
     assert target_of(_Pending(req)) == "b"  # type: ignore[arg-type]
     assert await router.choose_replicas(replicas, _Pending(req)) == [[replicas[1]]]  # type: ignore[arg-type]
     # A call without a request (stats) is pinned by a Pin.
     assert await router.choose_replicas(replicas, _Pending(Pin("c"))) == [[replicas[2]]]  # type: ignore[arg-type]
+    router._gone.append("z")  # left this handle's set: stopping or dead
     gone = EngineRequest("r", (1,), Sampling(max_tokens=1), replica_id="z")
     [fallback] = await router.choose_replicas(replicas, _Pending(gone))  # type: ignore[arg-type]
     assert len(fallback) == 2 and set(fallback) <= set(replicas)
@@ -30,3 +46,20 @@ async def test_pinned_requests_go_to_their_replica_and_others_spread() -> None:
         [pick] = await router.choose_replicas(replicas, _Pending())  # type: ignore[arg-type]
         firsts.add(pick[0].replica_id.unique_id)
     assert firsts == {"a", "b", "c"}
+
+
+async def test_a_request_placed_on_a_replica_not_seen_yet_waits_for_it() -> None:
+    """The router places work on a replica once it is ready; Serve adds it to the
+    handles a moment later. Meanwhile the request waits (backing off), and goes
+    anywhere only if the replica never comes."""
+    router = _router()
+    replicas: list[Any] = [_Replica(r) for r in ("a", "b")]
+    new = EngineRequest("r", (1,), Sampling(max_tokens=1), replica_id="n")
+    pending = _Pending(new)
+    assert await router.choose_replicas(replicas, pending) == []  # type: ignore[arg-type]
+    assert pending.routing_context.should_backoff  # a retry sleeps, not spins
+    here = [*replicas, _Replica("n")]
+    assert await router.choose_replicas(here, pending) == [[here[2]]]  # type: ignore[arg-type]
+    late = _Pending(new, age_s=NEW_REPLICA_WAIT_S + 0.1)
+    [fallback] = await router.choose_replicas(replicas, late)  # type: ignore[arg-type]
+    assert set(fallback) == set(replicas)
