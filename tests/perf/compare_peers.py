@@ -17,6 +17,10 @@ PrefixCacheAffinityRouter), and moe-cluster. All are driven over OpenAI HTTP by
 - S3b: two replicas with 64 MiB of KV cache each, 32 shared prefixes of ~1,600
   tokens + ~100 distinct, 16 output tokens, 4 streams for 90 s: a prefix working
   set 3-4x one engine's cache, which only a shared store can hold.
+- S3c: a replica joins a warm cluster. One replica serves 8 shared prefixes of
+  ~1,600 tokens + ~100 distinct, 16 output tokens, 4 streams, for 30 s; then a
+  second replica is added (as an external autoscaler does) while the load goes on
+  for 90 s. Reported: the whole 90 s, and the 20 s after the new replica runs.
 
 Prompts are sent as text (the seeded token ids decoded with the model's
 tokenizer), the form every peer's router understands; random ids decode to text
@@ -46,7 +50,7 @@ import psutil
 
 from deployments.bench.backends import Backend, GrpcBackend, OpenAIBackend
 from deployments.bench.cli import text_prompts
-from deployments.bench.report import Slo, summarize
+from deployments.bench.report import Slo, summarize, summarize_group
 from deployments.bench.runner import Limits, run_closed_loop, run_open_loop
 from deployments.bench.workload import ClassSpec, LengthRange, PrefixGroups, Workload
 from tests.perf.peers import ENV, MODEL_DIR, NAME, vllm_command
@@ -78,6 +82,15 @@ S3B = Workload(
 )
 S3B_KV_CACHE_MIB = 64
 S3B_SECONDS = 90.0
+S3C = Workload(
+    (ClassSpec("normal", input_len=lengths(84), output_len=lengths(16)),),
+    prefix=PrefixGroups(8, 1330),
+    seed=6,
+)
+S3C_WARM_S = 30.0  # one replica, before the second is added
+S3C_SECONDS = 90.0  # from the moment the second is asked for
+S3C_AFTER_S = 20.0  # "after": requests sent this long after the new one runs
+SCENARIOS = ("S1", "S2", "S3", "S3b", "S3c")
 
 
 @dataclass(frozen=True)
@@ -119,7 +132,7 @@ PEERS = (
         "rsllm-prefix",
         "Ray Serve LLM + prefix router",
         _module("ray-serve-llm", "--prefix-router"),
-        ("S3", "S3b"),
+        ("S3", "S3b", "S3c"),
     ),
     Peer(
         "moe-proxy",
@@ -132,7 +145,7 @@ PEERS = (
         "moe",
         "moe-cluster",
         _module("moe-cluster", "--server-json", '{"haproxy": true}'),
-        ("S1", "S2", "S3", "S3b"),
+        ("S1", "S2", "S3", "S3b", "S3c"),
     ),
 )
 
@@ -183,6 +196,23 @@ class Server:
                 f"{peer.label} not ready in {READY_TIMEOUT_S} s; see {log}"
             )
         self.startup_s = time.monotonic() - started
+        self.log_path = log
+
+    def add_replica(self) -> None:
+        """Asks a ``--scalable`` server for one more engine replica."""
+        os.kill(self.proc.pid, signal.SIGUSR1)
+
+    def scaled(self, timeout_s: float) -> tuple[float, float] | None:
+        """After ``add_replica``: how long until Serve ran the new replica, and
+        when (``time.perf_counter``); None if it did not within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in self.log_path.read_text().splitlines():
+                if line.startswith("SCALED "):
+                    _, _, seconds, at = line.split()
+                    return float(seconds), float(at)
+            time.sleep(1)
+        return None
 
     def stop(self) -> None:
         """SIGTERM (graceful engine shutdown), then clean up what is left."""
@@ -263,6 +293,31 @@ async def closed(
     )
 
 
+async def joining(server: Server) -> dict[str, Any]:
+    """S3c: the working set warms on one replica; a second is added under the
+    load. The summary of the recorded window, and of the requests sent in the
+    ``S3C_AFTER_S`` after the new replica ran (``after``)."""
+    backend = backend_for_peers()
+    try:
+        await run_closed_loop(backend, S3C.requests(), 4, Limits(None, S3C_WARM_S))
+        server.add_replica()
+        t0 = time.perf_counter()
+        records, duration = await run_closed_loop(
+            backend, S3C.requests(), 4, Limits(None, S3C_SECONDS)
+        )
+    finally:
+        await backend.close()
+    out = summarize(records, duration, REALTIME_SLO)
+    scaled = server.scaled(120)
+    if scaled is not None:
+        seconds, at = scaled
+        ran = at - t0
+        after = [r for r in records if ran <= r.sent_s < ran + S3C_AFTER_S]
+        out["after"] = summarize_group(after, S3C_AFTER_S, REALTIME_SLO)
+        out["after"]["new_replica_running_s"] = seconds
+    return out
+
+
 async def flood(background_rate: float, duration_s: float) -> Any:
     realtime = ClassSpec(
         "realtime", rate=0.5, input_len=lengths(64), output_len=lengths(32)
@@ -283,7 +338,7 @@ def run_peer(
     peer: Peer,
     capacity: dict[str, float],
     logs: Path,
-    scenarios: frozenset[str] = frozenset(("S1", "S2", "S3", "S3b")),
+    scenarios: frozenset[str] = frozenset(SCENARIOS),
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     kv = ("--kv-cache-mib", str(S3B_KV_CACHE_MIB))
@@ -291,13 +346,14 @@ def run_peer(
         (1, ("S1", "S2"), ()),
         (2, ("S3",), ()),
         (2, ("S3b",), kv),
+        (1, ("S3c",), ("--scalable",)),
     ):
         todo = [s for s in names if s in peer.scenarios and s in scenarios]
         if not todo:
             continue
         print(f"== {peer.label}: {replicas} replica(s), {todo}", flush=True)
         try:
-            log = logs / f"{peer.key}-{replicas}{'-kv' if extra else ''}.log"
+            log = logs / f"{peer.key}-{replicas}-{'-'.join(todo)}.log"
             server = Server(peer, replicas, log, extra)
         except RuntimeError as e:
             out["error"] = str(e)
@@ -324,6 +380,8 @@ def run_peer(
                 out["S3b"] = asyncio.run(
                     closed(S3B, concurrency=4, n=0, warmup=4, duration_s=S3B_SECONDS)
                 )
+            if "S3c" in todo:
+                out["S3c"] = asyncio.run(joining(server))
         except Exception as e:  # a peer that fails is a result too
             out["error"] = repr(e)
         finally:
@@ -358,6 +416,28 @@ ROWS = [
     ("S3b", "all", "ttft_ms", "p99", "TTFT p99 (ms)", False),
     ("S3b", "all", "output_tok_s", None, "output tok/s", True),
     ("S3b", "all", "cached_prompt_share", None, "prompt tokens from cache", True),
+    ("S3c", "all", "ttft_ms", "p50", "TTFT p50 (ms)", False),
+    ("S3c", "all", "ttft_ms", "p99", "TTFT p99 (ms)", False),
+    ("S3c", "all", "output_tok_s", None, "output tok/s", True),
+    (
+        "S3c",
+        "after",
+        "new_replica_running_s",
+        None,
+        "new replica running after (s)",
+        False,
+    ),
+    ("S3c", "after", "ttft_ms", "p50", "after it runs: TTFT p50 (ms)", False),
+    ("S3c", "after", "ttft_ms", "p99", "after it runs: TTFT p99 (ms)", False),
+    ("S3c", "after", "output_tok_s", None, "after it runs: output tok/s", True),
+    (
+        "S3c",
+        "after",
+        "cached_prompt_share",
+        None,
+        "after it runs: prompt tokens from cache",
+        True,
+    ),
 ]
 
 
@@ -467,13 +547,13 @@ def main() -> None:
     )
     parser.add_argument(
         "--scenarios",
-        default="S1,S2,S3,S3b",
+        default=",".join(SCENARIOS),
         help="run only these (a partial run: peers.md is not replaced)",
     )
     args = parser.parse_args()
     only = set(args.peers)
     scenarios = frozenset(args.scenarios.split(","))
-    partial = bool(only) or scenarios != {"S1", "S2", "S3", "S3b"}
+    partial = bool(only) or scenarios != set(SCENARIOS)
     capacity: dict[str, Any] = {}
     if args.capacity:
         capacity = {"rate": args.capacity, "measured_on": "an earlier run"}

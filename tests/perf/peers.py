@@ -4,7 +4,10 @@
     python -m tests.perf.peers moe-cluster --port 8100 --replicas 1 [--no-router]
 
 Used by ``compare_peers``; bare vLLM is started with its own ``vllm serve``. Every
-system gets the same engine settings and one CPU core per replica.
+system gets the same engine settings and one CPU core per replica. With
+``--scalable`` the engines' replica count is set from outside, as an external
+autoscaler does (Serve's ``update_deployment_replicas``): SIGUSR1 adds one, and
+the log says ``SCALED <replicas> <seconds> <perf_counter>`` once it runs.
 """
 
 from __future__ import annotations
@@ -12,7 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 from cluster.config import ClusterConfig
@@ -60,8 +66,12 @@ def vllm_command(port: int) -> list[str]:
 
 
 def serve_ray_serve_llm(
-    port: int, replicas: int, prefix_router: bool, engine: dict[str, object]
-) -> None:
+    port: int,
+    replicas: int,
+    prefix_router: bool,
+    engine: dict[str, object],
+    scalable: bool = False,
+) -> str:
     import ray
     from ray import serve
     from ray.serve.llm import LLMConfig, build_openai_app
@@ -97,7 +107,8 @@ def serve_ray_serve_llm(
             "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0}},
         }
     )
-    serve.run(app, name="rsllm", route_prefix="/")
+    serve.run(app, name="rsllm", route_prefix="/", external_scaler_enabled=scalable)
+    return "rsllm"
 
 
 def serve_moe_cluster(
@@ -108,7 +119,8 @@ def serve_moe_cluster(
     engine_settings: str = "{}",
     server_settings: str = "{}",
     engine: dict[str, object] | None = None,
-) -> None:
+    scalable: bool = False,
+) -> str:
     import ray
 
     from cluster.config import ClusterConfig
@@ -132,7 +144,35 @@ def serve_moe_cluster(
     os.environ.update(config.server.serve_env())
     trace_settings(config)  # as `moe-cluster serve`: OTEL_* in the environment
     ray.init(num_cpus=2, include_dashboard=False)
-    deploy(config)
+    deploy(config, external_scaler=scalable)
+    return config.server.app_name
+
+
+def add_engine_replica(app: str) -> None:
+    """One more replica of the app's engine deployment (the one running the
+    model: moe-cluster's ``Engine``, Ray Serve LLM's ``LLMServer``); prints
+    ``SCALED <replicas> <seconds> <perf_counter>`` once Serve runs them all."""
+    import ray
+    from ray import serve
+    from ray.serve._private.common import DeploymentID
+    from ray.serve.context import _get_global_client
+
+    started = time.perf_counter()
+    deployments = serve.status().applications[app].deployments
+    name = next(d for d in deployments if d == "Engine" or NAME in d)
+    wanted = sum(deployments[name].replica_states.values()) + 1
+    controller = _get_global_client()._controller
+    ray.get(
+        controller.update_deployment_replicas.remote(DeploymentID(name, app), wanted)
+    )
+    while True:
+        states = serve.status().applications[app].deployments[name].replica_states
+        if states.get("RUNNING", 0) >= wanted:
+            break
+        time.sleep(0.2)
+    # The clock the load generator's records use (CLOCK_MONOTONIC, as here).
+    now = time.perf_counter()
+    print(f"SCALED {wanted} {now - started:.2f} {now:.3f}", flush=True)
 
 
 def main() -> None:
@@ -154,6 +194,11 @@ def main() -> None:
         "--server-json", default="{}", help="moe-cluster: server settings (JSON)"
     )
     p.add_argument(
+        "--scalable",
+        action="store_true",
+        help="the engines' replica count is set from outside; SIGUSR1 adds one",
+    )
+    p.add_argument(
         "--kv-cache-mib",
         type=int,
         default=None,
@@ -167,9 +212,11 @@ def main() -> None:
     if not (MODEL_DIR / "config.json").exists():
         write_tiny_model(MODEL_DIR)
     if args.system == "ray-serve-llm":
-        serve_ray_serve_llm(args.port, args.replicas, args.prefix_router, engine)
+        app = serve_ray_serve_llm(
+            args.port, args.replicas, args.prefix_router, engine, args.scalable
+        )
     else:
-        serve_moe_cluster(
+        app = serve_moe_cluster(
             args.port,
             args.replicas,
             not args.no_router,
@@ -177,6 +224,12 @@ def main() -> None:
             args.engine_json,
             args.server_json,
             engine,
+            args.scalable,
+        )
+    if args.scalable:
+        signal.signal(
+            signal.SIGUSR1,
+            lambda *_: threading.Thread(target=add_engine_replica, args=(app,)).start(),
         )
     print("READY", flush=True)
     wait_for_stop_signal()
