@@ -24,6 +24,9 @@ class Chunk:
 class Done:
     output_tokens: int | None  # as the server counted them, when it says
     cached_tokens: int | None  # prompt tokens served from cache, when it says
+    # The prompt as the server tokenized it, when it says (a text prompt can
+    # tokenize to more or fewer tokens than the ids it was made from).
+    prompt_tokens: int | None = None
 
 
 class RequestFailed(Exception):
@@ -76,7 +79,7 @@ class GrpcBackend:
                     yield Chunk(len(msg.chunk.token_ids))
                 else:
                     f = msg.finished
-                    yield Done(f.completion_tokens, f.cached_tokens)
+                    yield Done(f.completion_tokens, f.cached_tokens, f.prompt_tokens)
         except grpc.aio.AioRpcError as e:
             raise RequestFailed(e.code().name, e.details() or "") from None
 
@@ -175,8 +178,9 @@ def _done_from_usage(usage: dict[str, object] | None) -> Done:
         return Done(None, None)
     details = usage.get("prompt_tokens_details") or {}
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    out = usage.get("completion_tokens")
+    out, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
     return Done(
         int(out) if isinstance(out, int) else None,
         int(cached) if isinstance(cached, int) else None,
+        int(prompt) if isinstance(prompt, int) else None,
     )

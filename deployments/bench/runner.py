@@ -20,7 +20,7 @@ from deployments.bench.workload import RequestSpec
 class RequestRecord:
     index: int
     qos: str
-    prompt_tokens: int
+    prompt_tokens: int  # as the server counted them when it says; else ids sent
     max_tokens: int
     prefix_group: int | None
     due_s: float  # planned arrival (open loop); send time in closed loop
@@ -87,6 +87,8 @@ async def send_one(
             elif isinstance(event, Done):
                 rec.output_tokens = event.output_tokens or 0
                 rec.cached_tokens = event.cached_tokens
+                # Cached shares and token rates count the server's tokens.
+                rec.prompt_tokens = event.prompt_tokens or rec.prompt_tokens
     except RequestFailed as e:
         rec.error = e.code
     except Exception as e:  # a client-side failure is a result too, not a crash

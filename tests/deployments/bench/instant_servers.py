@@ -39,7 +39,7 @@ class InstantInference(InferenceServicer):
         yield pb.GenerateResponse(
             finished=pb.Finished(
                 finish_reason="length",
-                prompt_tokens=len(ids),
+                prompt_tokens=len(ids) + 1,  # as a tokenizer adding BOS counts
                 completion_tokens=n,
                 cached_tokens=len(ids) // 2,
             )
@@ -70,7 +70,7 @@ async def _completions(request: web.Request) -> web.StreamResponse:
         chunk = {"choices": [{"index": 0, "text": "x", "finish_reason": None}]}
         await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
     usage = {
-        "prompt_tokens": len(prompt),
+        "prompt_tokens": len(prompt) + 1,  # as a tokenizer adding BOS counts
         "completion_tokens": n,
         "prompt_tokens_details": {"cached_tokens": len(prompt) // 2},
     }

@@ -54,6 +54,7 @@ async def test_closed_loop_records_every_token(backend: Backend) -> None:
         assert r.ok and r.qos == spec.qos
         assert r.output_tokens == spec.max_tokens == len(r.chunk_times)
         assert r.cached_tokens == len(spec.prompt) // 2
+        assert r.prompt_tokens == len(spec.prompt) + 1  # as the server counted
         assert r.sent_s <= r.chunk_times[0] <= r.chunk_times[-1] <= r.end_s <= duration
 
 
