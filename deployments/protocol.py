@@ -161,6 +161,21 @@ class HandedOff(Exception):
 
 
 @dataclass(frozen=True, slots=True)
+class EngineLost:
+    """Last event of a stream whose replica's vLLM engine died; the replica exits
+    right after. An event rather than an error: a stream's events reach the
+    ingress as they are yielded, while the error that ends a Serve stream came
+    only with the replica's exit, seconds later. The ingress resumes the request
+    on another replica, and the router counts a failure of this one."""
+
+    replica_id: str
+
+
+class EngineFailed(Exception):
+    """Raised in the ingress for an ``EngineLost``: the replica's failure."""
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats:
     replica_id: str
     running: int  # requests the engine holds (scheduled or waiting)
@@ -188,4 +203,4 @@ class Pin:
     replica_id: str
 
 
-EngineEvent = Started | TokenDelta | Finish | HandOff
+EngineEvent = Started | TokenDelta | Finish | HandOff | EngineLost

@@ -31,6 +31,7 @@ from deployments.ep import group as ep_group
 from deployments.ep.group import GroupRank
 from deployments.protocol import (
     EngineEvent,
+    EngineLost,
     EngineRequest,
     EngineStats,
     HandOff,
@@ -242,12 +243,12 @@ class EngineServer:
                 yield event
         except EngineDeadError:
             self._exit_soon()
-            raise
+            yield EngineLost(self._engine.replica_id)
 
     def _exit_soon(self) -> None:
         # A dead engine never recovers in-process. Exiting makes Serve route away
         # and start a replacement at once instead of at the next health check;
-        # the short delay lets this request's error reach the caller first.
+        # the short delay lets each stream's last event reach its caller first.
         logger.error("engine of replica %s is dead; exiting", self._engine.replica_id)
         asyncio.get_running_loop().call_later(EXIT_DELAY_S, self._exit_process, 1)
 

@@ -37,6 +37,8 @@ from deployments.ingress.telemetry import RequestTelemetry
 from deployments.ingress.validation import InvalidRequest, Limits
 from deployments.protocol import (
     EngineEvent,
+    EngineFailed,
+    EngineLost,
     EngineRequest,
     Finish,
     FinishReason,
@@ -399,6 +401,8 @@ class Frontend:
                             )
                         elif isinstance(event, HandOff):
                             raise HandedOff(f"replica {event.replica_id} stopped")
+                        elif isinstance(event, EngineLost):
+                            raise EngineFailed(f"engine of {event.replica_id} died")
                         yield event
                         if stopped:  # a stop string that straddled the seam
                             done = True
@@ -592,6 +596,8 @@ class Frontend:
                     head.append(await asyncio.wait_for(anext(events), timeout))
                     if isinstance(head[-1], HandOff):  # before any output
                         raise HandedOff(f"replica {head[-1].replica_id} stopped")
+                    if isinstance(head[-1], EngineLost):
+                        raise EngineFailed(f"engine of {head[-1].replica_id} died")
                     self._mark(rid, head[-1], loop.time())
                 return events, head
             except StopAsyncIteration:

@@ -10,7 +10,14 @@ import pytest
 from cluster.config import ClusterConfig
 from deployments.engine.deployment import EXIT_DELAY_S, EngineServer, Placement
 from deployments.engine.vllm_engine import VLLMEngine
-from deployments.protocol import EngineRequest, Finish, HandOff, Sampling, Started
+from deployments.protocol import (
+    EngineLost,
+    EngineRequest,
+    Finish,
+    HandOff,
+    Sampling,
+    Started,
+)
 from tests.deployments.engine.fakes import FakeAsyncLLM, Step
 
 HERE = Placement("replica-a", "node-1")
@@ -78,19 +85,18 @@ async def test_expert_load_is_installed_and_polled_only_while_there_is_work() ->
         task.cancel()
 
 
-async def test_a_dead_engine_fails_the_stream_then_exits_the_replica() -> None:
+async def test_a_dead_engine_ends_the_stream_then_exits_the_replica() -> None:
     from vllm.v1.engine.exceptions import EngineDeadError
 
     llm = FakeAsyncLLM([Step([1]), Step([2])], fail_after=1, failure=EngineDeadError())
     exits: list[int] = []
     server = await start(config(), llm, exit_process=exits.append)
     req = EngineRequest("r1", (1, 2, 3), Sampling(max_tokens=4))
-    seen = []
-    with pytest.raises(EngineDeadError):
-        async for event in server.generate(req):
-            seen.append(event)
+    seen = [event async for event in server.generate(req)]
     assert isinstance(seen[0], Started)
-    assert exits == []  # the error reaches the caller first
+    # The stream's last event says so (the ingress resumes it elsewhere) ...
+    assert seen[-1] == EngineLost(server._engine.replica_id)
+    assert exits == []  # ... and reaches the caller before the replica exits
     await asyncio.sleep(EXIT_DELAY_S + 0.2)
     assert exits == [1]
 

@@ -19,6 +19,7 @@ from deployments.ingress.errors import (
 from deployments.ingress.frontend import Frontend
 from deployments.ingress.validation import InvalidRequest, Limits
 from deployments.protocol import (
+    EngineLost,
     EngineRequest,
     Finish,
     HandOff,
@@ -299,6 +300,34 @@ async def test_a_stream_handed_off_by_a_stopping_replica_goes_on_elsewhere() -> 
     assert opened[1].prompt_token_ids == (1, 2, 3, 5)
     # A hand-off is not a failure: one failure would have opened "a"'s breaker.
     assert service.snapshot().replicas["a"].breaker == "closed"
+    assert running(service) == 0
+
+
+async def test_a_stream_whose_engine_died_goes_on_elsewhere_and_counts_a_failure() -> (
+    None
+):
+    fe, service, opened = setup(
+        [Started("a"), tokens(5), EngineLost("a")],
+        [Started("b"), TokenDelta((6,), "g"), Finish("length", 4, 1, 3, "b")],
+        [Started("a"), EngineLost("a")],
+        ok("b"),
+        migration_limit=1,
+        breaker_failures=2,
+    )
+    fe.tokenizer = Tokens()
+    r = EngineRequest("d1", (1, 2, 3), Sampling(max_tokens=2))
+    events = await drain(fe, r)
+    assert [t for e in events if isinstance(e, TokenDelta) for t in e.token_ids] == [
+        5,
+        6,
+    ]
+    assert events[-1] == Finish("length", 3, 2, 3, "b", migrations=1)
+    assert opened[1].prompt_token_ids == (1, 2, 3, 5)
+    assert service.snapshot().replicas["a"].breaker == "closed"  # one failure
+    # Before any output: placed again, and the second failure opens the breaker.
+    events = await drain(fe, req("d2"))
+    assert events[-1] == Finish("length", 3, 2, 0, "b")
+    assert service.snapshot().replicas["a"].breaker == "open"
     assert running(service) == 0
 
 
