@@ -81,6 +81,7 @@ class EngineServer:
         self._drain_timeout_s = config.deployment.drain_timeout_s
         self._drain_task: asyncio.Task[None] | None = None
         self._handing_off = False
+        self._exit_timer: asyncio.TimerHandle | None = None  # the engine died
         self._group: GroupRank | None = None
         if config.expert_parallel.enabled:
             if where.gang is None:
@@ -249,8 +250,11 @@ class EngineServer:
         # A dead engine never recovers in-process. Exiting makes Serve route away
         # and start a replacement at once instead of at the next health check;
         # the short delay lets each stream's last event reach its caller first.
+        if self._exit_timer is not None:  # another stream saw it first
+            return
         logger.error("engine of replica %s is dead; exiting", self._engine.replica_id)
-        asyncio.get_running_loop().call_later(EXIT_DELAY_S, self._exit_process, 1)
+        loop = asyncio.get_running_loop()
+        self._exit_timer = loop.call_later(EXIT_DELAY_S, self._exit_process, 1)
 
     async def abort(self, request_id: str) -> None:
         await self._engine.abort(request_id)

@@ -97,6 +97,9 @@ async def test_a_dead_engine_ends_the_stream_then_exits_the_replica() -> None:
     # The stream's last event says so (the ingress resumes it elsewhere) ...
     assert seen[-1] == EngineLost(server._engine.replica_id)
     assert exits == []  # ... and reaches the caller before the replica exits
+    # A request that arrives meanwhile ends the same way; the replica exits once.
+    late = [e async for e in server.generate(EngineRequest("r2", (1,), req.sampling))]
+    assert late[-1] == EngineLost(server._engine.replica_id)
     await asyncio.sleep(EXIT_DELAY_S + 0.2)
     assert exits == [1]
 
