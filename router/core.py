@@ -338,6 +338,10 @@ class RouterCore:
 
     def _dispatch(self, w: Waiting, candidates: list[Replica]) -> RouteDecision:
         t = w.ticket
+        if t.avoid:  # not back to the replica it failed on, while another has room
+            candidates = [
+                r for r in candidates if r.replica_id != t.avoid
+            ] or candidates
         replica, reason, cached = self.policy.choose(t, candidates)
         if replica.breaker.on_dispatch():
             reason = "half-open-probe"

@@ -37,6 +37,7 @@ class TicketMaker:
         tenant: str = "",
         trace: Mapping[str, str] | None = None,
         resumed: bool = False,
+        avoid: str = "",
     ) -> Ticket:
         hashes = (
             block_hashes(prompt, self._block_size, salt=tenant or None)
@@ -54,4 +55,5 @@ class TicketMaker:
             tuple(trace.items()) if trace else (),
             tenant,
             resumed,
+            avoid,
         )

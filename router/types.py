@@ -27,6 +27,9 @@ class Ticket:
     trace: tuple[tuple[str, str], ...] = ()  # W3C trace context of the request
     tenant: str = ""  # whose rate limits it draws on ("": the default tenant)
     resumed: bool = False  # a stream going on after its engine failed: not charged
+    # The replica that just failed (or handed off) this request: it goes to
+    # another when one can take it.
+    avoid: str = ""
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 0 or self.max_tokens < 0:

@@ -374,7 +374,11 @@ class Frontend:
             while True:
                 try:
                     events, head = await self._open(
-                        current, deadline_s, tel, resumed=migrations > 0
+                        current,
+                        deadline_s,
+                        tel,
+                        resumed=migrations > 0,
+                        avoid=replica if migrations else "",
                     )
                     async for event in _chain(head, events):
                         if rid in self._aborted:
@@ -514,8 +518,10 @@ class Frontend:
         tel: RequestTelemetry | None,
         *,
         resumed: bool = False,
+        avoid: str = "",
     ) -> EngineRequest:
-        """Waits for the router to dispatch ``request``; returns it placed."""
+        """Waits for the router to dispatch ``request``; returns it placed
+        (elsewhere than ``avoid``, the replica it just failed on, if it can)."""
         if self._admission is None:
             return request
         loop = asyncio.get_running_loop()
@@ -530,6 +536,7 @@ class Frontend:
             request.tenant,
             trace,
             resumed,
+            avoid,
         )
         waiting = asyncio.ensure_future(self._admission.admit(ticket))
         self._inflight[request.request_id] = _NotOpen(waiting)
@@ -566,21 +573,23 @@ class Frontend:
         tel: RequestTelemetry | None = None,
         *,
         resumed: bool = False,
+        avoid: str = "",
     ) -> tuple[AsyncIterator[EngineEvent], list[EngineEvent]]:
         """Admits the request, opens its engine stream and reads up to its first
         output. ``resumed``: it goes on from a failed stream (rate limits charged
-        it already).
+        it already) on ``avoid``, a replica it is placed away from if it can be.
 
         Returns the stream's remaining events and those already read. An engine
-        failure before any output is retried on a fresh stream (the router may
-        pick another replica): nothing has reached the client yet.
+        failure before any output is retried on a fresh stream (the router
+        places it on another replica if one has room): nothing has reached the
+        client yet.
         """
         rid = request.request_id
         loop = asyncio.get_running_loop()
         deadline = None if deadline_s is None else loop.time() + deadline_s
         for attempt in range(1, OPEN_ATTEMPTS + 1):
             placed_request = await self._admit(
-                request, deadline, tel, resumed=resumed or attempt > 1
+                request, deadline, tel, resumed=resumed or attempt > 1, avoid=avoid
             )
             if tel is None:
                 stream = self._open_stream(placed_request)
@@ -613,6 +622,8 @@ class Frontend:
                 _cancel(stream)
                 if attempt == OPEN_ATTEMPTS or rid in self._aborted:
                     raise
+                placed = self._placed.get(rid)
+                avoid = placed.replica_id if placed else placed_request.replica_id
                 self._settle(rid, _outcome_of(e))
                 logger.warning(
                     "request %s: engine failed before output (%r); retrying", rid, e

@@ -362,3 +362,15 @@ def test_a_starting_replica_is_known_but_gets_work_only_once_ready() -> None:
     [(w, d)] = core.pump()
     assert w.ticket.request_id == "w" and d.replica_id == "c"
     assert core.load_signals().serving == 3
+
+
+def test_a_resumed_request_avoids_the_replica_it_failed_on_while_another_has_room() -> (
+    None
+):
+    core = _core(Clock())
+    d = submit(core, _t("r1", resumed=True, avoid="a"))  # both idle: "a" first
+    assert isinstance(d, RouteDecision) and d.replica_id == "b"
+    d = submit(core, _t("r2", resumed=True, avoid="a"))
+    assert isinstance(d, RouteDecision) and d.replica_id == "b"  # now full
+    d = submit(core, _t("r3", resumed=True, avoid="a"))
+    assert isinstance(d, RouteDecision) and d.replica_id == "a"  # the only room

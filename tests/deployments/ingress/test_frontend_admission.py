@@ -153,10 +153,15 @@ async def test_abort_while_queued_leaves_the_router_queue() -> None:
 
 async def test_failures_before_output_are_readmitted_and_open_the_breaker() -> None:
     boom = RuntimeError("engine died")
-    fe, service, opened = setup([Started("a"), boom], [Started("a"), boom], ok("b"))
-    events = await drain(fe, req("1"))
-    assert isinstance(events[-1], Finish) and events[-1].replica_id == "b"
-    assert [r.replica_id for r in opened] == ["a", "a", "b"]
+    fe, service, opened = setup(
+        [Started("a"), boom], ok("b"), [Started("a"), boom], ok("b")
+    )
+    for rid in ("1", "2"):
+        events = await drain(fe, req(rid))
+        assert isinstance(events[-1], Finish) and events[-1].replica_id == "b"
+    # Each placed again away from the replica that failed it; two failures in a
+    # row open its breaker.
+    assert [r.replica_id for r in opened] == ["a", "b", "a", "b"]
     assert service.snapshot().replicas["a"].breaker == "open"
 
 
@@ -328,6 +333,9 @@ async def test_a_stream_whose_engine_died_goes_on_elsewhere_and_counts_a_failure
     events = await drain(fe, req("d2"))
     assert events[-1] == Finish("length", 3, 2, 0, "b")
     assert service.snapshot().replicas["a"].breaker == "open"
+    # Each time placed away from the replica it failed on (least-loaded alone
+    # would pick "a" again: both idle, "a" first).
+    assert [r.replica_id for r in opened] == ["a", "b", "a", "b"]
     assert running(service) == 0
 
 
