@@ -391,6 +391,24 @@ def run_peer(
 
 S1_N = 64  # requests per S1 point at c=1 (~20 s); 4x that at c=4
 
+
+def prefix_rows(scenario: str, klass: str = "all", label: str = "") -> list[Any]:
+    """The prefix scenarios' rows: TTFT, throughput and the cached share."""
+    return [
+        (scenario, klass, "ttft_ms", "p50", f"{label}TTFT p50 (ms)", False),
+        (scenario, klass, "ttft_ms", "p99", f"{label}TTFT p99 (ms)", False),
+        (scenario, klass, "output_tok_s", None, f"{label}output tok/s", True),
+        (
+            scenario,
+            klass,
+            "cached_prompt_share",
+            None,
+            f"{label}prompt tokens from cache",
+            True,
+        ),
+    ]
+
+
 ROWS = [
     ("S1", "all", "ttft_ms", "p50", "TTFT p50 (ms)", False),
     ("S1", "all", "tpot_ms", "p50", "TPOT p50 (ms)", False),
@@ -408,17 +426,9 @@ ROWS = [
     ("S2", "realtime", "goodput", None, "realtime goodput, TTFT<=1s (req/s)", True),
     ("S2", "background", "output_tok_s", None, "background output tok/s", True),
     ("S2", "all", "errors", None, "refused/failed requests", None),
-    ("S3", "all", "ttft_ms", "p50", "TTFT p50 (ms)", False),
-    ("S3", "all", "ttft_ms", "p99", "TTFT p99 (ms)", False),
-    ("S3", "all", "output_tok_s", None, "output tok/s", True),
-    ("S3", "all", "cached_prompt_share", None, "prompt tokens from cache", True),
-    ("S3b", "all", "ttft_ms", "p50", "TTFT p50 (ms)", False),
-    ("S3b", "all", "ttft_ms", "p99", "TTFT p99 (ms)", False),
-    ("S3b", "all", "output_tok_s", None, "output tok/s", True),
-    ("S3b", "all", "cached_prompt_share", None, "prompt tokens from cache", True),
-    ("S3c", "all", "ttft_ms", "p50", "TTFT p50 (ms)", False),
-    ("S3c", "all", "ttft_ms", "p99", "TTFT p99 (ms)", False),
-    ("S3c", "all", "output_tok_s", None, "output tok/s", True),
+    *prefix_rows("S3"),
+    *prefix_rows("S3b"),
+    *prefix_rows("S3c"),
     (
         "S3c",
         "after",
@@ -427,17 +437,7 @@ ROWS = [
         "new replica running after (s)",
         False,
     ),
-    ("S3c", "after", "ttft_ms", "p50", "after it runs: TTFT p50 (ms)", False),
-    ("S3c", "after", "ttft_ms", "p99", "after it runs: TTFT p99 (ms)", False),
-    ("S3c", "after", "output_tok_s", None, "after it runs: output tok/s", True),
-    (
-        "S3c",
-        "after",
-        "cached_prompt_share",
-        None,
-        "after it runs: prompt tokens from cache",
-        True,
-    ),
+    *prefix_rows("S3c", "after", "after it runs: "),
 ]
 
 

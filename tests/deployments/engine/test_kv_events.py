@@ -121,6 +121,21 @@ class FakeRouter:
 
         self.report = _Method()
 
+    def reporter(self, **kw: Any) -> Reporter:
+        """A replica's reporter to this router, every 10 ms."""
+        return Reporter(
+            "r1",
+            progress=lambda: (),
+            tokens_generated=lambda: 0,
+            connect=lambda: self,
+            interval_s=0.01,
+            **kw,
+        )
+
+    async def reports_reach(self, n: int) -> None:
+        while len(self.reports) < n:
+            await asyncio.sleep(0.005)
+
 
 async def test_reporter_resends_all_blocks_to_a_new_router() -> None:
     router = FakeRouter()
@@ -130,19 +145,8 @@ async def test_reporter_resends_all_blocks_to_a_new_router() -> None:
         sent.append(full)
         return (KVEvent("cleared"),) if full else ()
 
-    reporter = Reporter(
-        "r1",
-        progress=lambda: (),
-        tokens_generated=lambda: 0,
-        kv_events=kv,
-        connect=lambda: router,
-        interval_s=0.01,
-    )
-    task = asyncio.create_task(reporter.run())
-
-    async def reports(n: int) -> None:
-        while len(router.reports) < n:
-            await asyncio.sleep(0.005)
+    task = asyncio.create_task(router.reporter(kv_events=kv).run())
+    reports = router.reports_reach
 
     try:
         await reports(3)
@@ -166,19 +170,8 @@ async def test_reporter_resends_all_blocks_to_a_new_router() -> None:
 async def test_reporter_says_when_the_router_has_the_replica_draining() -> None:
     router = FakeRouter()
     told: list[bool] = []
-    reporter = Reporter(
-        "r1",
-        progress=lambda: (),
-        tokens_generated=lambda: 0,
-        connect=lambda: router,
-        interval_s=0.01,
-        on_draining=told.append,
-    )
-    task = asyncio.create_task(reporter.run())
-
-    async def reports(n: int) -> None:
-        while len(router.reports) < n:
-            await asyncio.sleep(0.005)
+    task = asyncio.create_task(router.reporter(on_draining=told.append).run())
+    reports = router.reports_reach
 
     try:
         await reports(2)
@@ -214,13 +207,7 @@ def test_the_listener_reports_its_engines_blocks_and_resends_them_all() -> None:
 
 async def test_reporter_keeps_the_routers_load_view_for_the_autoscaler() -> None:
     router = FakeRouter()
-    reporter = Reporter(
-        "r1",
-        progress=lambda: (),
-        tokens_generated=lambda: 0,
-        connect=lambda: router,
-        interval_s=0.01,
-    )
+    reporter = router.reporter()
     assert reporter.load == {}
     router.load = {"queued_realtime": 3.0}
     task = asyncio.create_task(reporter.run())
@@ -235,19 +222,9 @@ async def test_reporter_keeps_the_routers_load_view_for_the_autoscaler() -> None
 
 async def test_reporter_says_not_ready_until_the_replica_has_started() -> None:
     router = FakeRouter()
-    reporter = Reporter(
-        "r1",
-        progress=lambda: (),
-        tokens_generated=lambda: 0,
-        connect=lambda: router,
-        interval_s=0.01,
-    )
+    reporter = router.reporter()
     task = asyncio.create_task(reporter.run())
-
-    async def reports(n: int) -> None:
-        while len(router.reports) < n:
-            await asyncio.sleep(0.005)
-
+    reports = router.reports_reach
     try:
         await reports(2)  # known to the router while it warms up ...
         assert not any(r.ready for r in router.reports)
