@@ -175,6 +175,14 @@ _NOT_ENGINE_FAILURES = (
 )
 
 
+def _raise_ended(event: HandOff | EngineLost) -> None:
+    """A replica ended the stream early: it is stopping (a hand-off, not its
+    failure) or its engine died (its failure). The request goes on elsewhere."""
+    if isinstance(event, HandOff):
+        raise HandedOff(f"replica {event.replica_id} stopped")
+    raise EngineFailed(f"engine of {event.replica_id} died")
+
+
 def _outcome_of(e: Exception) -> Outcome:
     """How a stream that raised ``e`` on its replica ended, for the router."""
     return Outcome.HANDED_OFF if isinstance(e, HandedOff) else Outcome.FAILED
@@ -403,10 +411,8 @@ class Frontend:
                                 final(event.reason, event.cached_tokens),
                                 expert_hist=hist or event.expert_hist,
                             )
-                        elif isinstance(event, HandOff):
-                            raise HandedOff(f"replica {event.replica_id} stopped")
-                        elif isinstance(event, EngineLost):
-                            raise EngineFailed(f"engine of {event.replica_id} died")
+                        elif isinstance(event, HandOff | EngineLost):
+                            _raise_ended(event)
                         yield event
                         if stopped:  # a stop string that straddled the seam
                             done = True
@@ -603,10 +609,8 @@ class Frontend:
                 while not head or isinstance(head[-1], Started):
                     timeout = None if deadline is None else deadline - loop.time()
                     head.append(await asyncio.wait_for(anext(events), timeout))
-                    if isinstance(head[-1], HandOff):  # before any output
-                        raise HandedOff(f"replica {head[-1].replica_id} stopped")
-                    if isinstance(head[-1], EngineLost):
-                        raise EngineFailed(f"engine of {head[-1].replica_id} died")
+                    if isinstance(head[-1], HandOff | EngineLost):  # no output yet
+                        _raise_ended(head[-1])
                     self._mark(rid, head[-1], loop.time())
                 return events, head
             except StopAsyncIteration:
