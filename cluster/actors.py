@@ -1,5 +1,14 @@
 """How the cluster's singleton actors (the router, the store directory) are run:
-one per application, found by name, detached and restarted by Ray."""
+one per application, found by name, detached and restarted by Ray, on the head
+node.
+
+On the head because that is where they survive a node's loss. The head runs the
+GCS and Serve's controller: without it the cluster is down anyway (or, with GCS
+fault tolerance, comes back with a new head where these are restarted). On a
+worker node, the node's loss would take them too, and Ray restarts them only
+once it has declared the node dead (~15 s of missed health checks), while every
+admission waits.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +16,7 @@ import time
 from typing import Any
 
 NAMESPACE = "moe-cluster"
+HEAD_NODE = "node:__internal_head__"  # the resource Ray gives the head node alone
 
 
 def singleton_options(name: str, **extra: Any) -> dict[str, Any]:
@@ -19,6 +29,7 @@ def singleton_options(name: str, **extra: Any) -> dict[str, Any]:
         "max_restarts": -1,
         "max_task_retries": -1,  # calls in flight when it dies are retried
         "num_cpus": 0,
+        "resources": {HEAD_NODE: 0.001},
         # Not in the caller's placement group (an EP group's gang): it would die
         # with the group and could not be restarted.
         "scheduling_strategy": "DEFAULT",

@@ -43,6 +43,7 @@ from router.types import (
 
 logger = logging.getLogger("moe_cluster.router")
 METRICS_INTERVAL_S = 1.0  # gauges from a snapshot this often
+LOST_POLL_MAX_S = 30.0  # longest an ingress's lost_replicas call waits
 
 
 def actor_name(app_name: str) -> str:
@@ -202,6 +203,15 @@ class DeepSeekRouter:
         if removed:
             logger.info("replicas stopping, draining: %s", ", ".join(removed))
         self._service.serving_changed(added, removed)
+
+    async def lost_replicas(
+        self, since: int, wait_s: float
+    ) -> tuple[int, list[ReplicaId]]:
+        """Replicas dropped for silence after number ``since`` (a long poll of
+        at most ``wait_s``, capped at ``LOST_POLL_MAX_S``): an ingress ends the
+        streams it still waits on from them (``RouterService.lost_replicas``)."""
+        self._start()
+        return await self._service.lost_replicas(since, min(wait_s, LOST_POLL_MAX_S))
 
     async def close(self) -> int:
         """The cluster is shutting down: every request queued and every new one

@@ -32,6 +32,7 @@ from router.types import (
 )
 
 logger = logging.getLogger("moe_cluster.router")
+LOST_MEMORY = 256  # replicas dropped for silence that ``lost_replicas`` recalls
 
 
 class RouterService:
@@ -52,6 +53,10 @@ class RouterService:
         self._ticker: asyncio.Task[None] | None = None
         self._queued: dict[str, Waiting] = {}  # request id -> its queue entry
         self.recent_transitions: deque[Transition] = deque(maxlen=100)
+        # Replicas dropped because their reports stopped, numbered in order.
+        self.lost_epoch = 0
+        self._lost: deque[tuple[int, ReplicaId]] = deque(maxlen=LOST_MEMORY)
+        self._lost_wakeup: asyncio.Future[None] | None = None
 
     def start(self) -> None:
         if self._ticker is None:
@@ -177,9 +182,36 @@ class RouterService:
         if self._on_decision is not None:
             self._on_decision(seconds)
 
+    async def lost_replicas(
+        self, since: int, wait_s: float
+    ) -> tuple[int, list[ReplicaId]]:
+        """The replicas dropped because their reports stopped (their process or
+        their node is gone) after number ``since``, and the number of the last;
+        waits up to ``wait_s`` for one when there is none yet. A ``since`` this
+        service did not give (below 0, or past the last: the router restarted)
+        gets the last number and nothing, to follow from."""
+        if not 0 <= since <= self.lost_epoch:
+            return self.lost_epoch, []
+        if since == self.lost_epoch:
+            if self._lost_wakeup is None:
+                self._lost_wakeup = asyncio.get_running_loop().create_future()
+            with contextlib.suppress(TimeoutError):
+                # Shielded: one caller's time-out must not wake the others.
+                await asyncio.wait_for(asyncio.shield(self._lost_wakeup), wait_s)
+        return self.lost_epoch, [rid for n, rid in self._lost if n > since]
+
+    def _replica_lost(self, rid: ReplicaId) -> None:
+        self.lost_epoch += 1
+        self._lost.append((self.lost_epoch, rid))
+        wakeup, self._lost_wakeup = self._lost_wakeup, None
+        if wakeup is not None and not wakeup.done():
+            wakeup.set_result(None)
+
     def _drain(self) -> None:
         transitions, self.core.transitions[:] = list(self.core.transitions), []
         for t in transitions:
+            if t.kind == "replica" and t.new == "gone":
+                self._replica_lost(ReplicaId(t.key))
             self.recent_transitions.append(t)
             logger.warning(
                 "%s breaker %s: %s -> %s (%s)", t.kind, t.key, t.old, t.new, t.detail

@@ -4,6 +4,15 @@ Authenticates, tokenizes, opens the engine stream, keeps the in-flight table tha
 ``Abort`` uses, enforces the time-to-first-token deadline and turns engine and
 Serve failures into client-facing ``ServiceError``s. Independent of Serve's
 ingress wiring: the engine is reached through an injected ``open_stream``.
+
+A replica whose node is lost takes its actors with it silently: Ray declares
+them dead only when the node misses its health checks (~15 s), and until then
+a stream from one just waits. The router drops a replica whose reports stop
+(``router.replica_stale_s``) and says so (``Admission.watch_lost``); a stream
+still waiting on such a replica, silent for ``LOST_SILENCE_S``, is then ended
+here as that engine's failure (its task is cancelled at the wait and the
+cancellation turned into ``EngineFailed``, as ``asyncio.timeout`` turns one into
+``TimeoutError``) and goes on elsewhere, as any failed stream does.
 """
 
 from __future__ import annotations
@@ -56,6 +65,9 @@ logger = logging.getLogger("moe_cluster.ingress")
 OVERLOAD_RETRY_S = 1.0
 OPEN_ATTEMPTS = 3  # engine failures before the first output are retried
 ADMIT_GRACE_S = 1.0
+LOST_SILENCE_S = 1.0  # a lost replica's stream silent this long is ended
+LOST_SWEEP_S = 0.25  # how often streams on lost replicas are looked at
+LOST_MEMORY_S = 60.0  # a lost replica is forgotten after this long
 
 
 class EngineStream(Protocol):
@@ -76,6 +88,11 @@ class Admission(Protocol):
         ...
 
     def release(self, release: Release) -> None: ...
+
+    def watch_lost(self, on_lost: Callable[[list[str]], None]) -> None:
+        """Calls ``on_lost`` with the replicas the router drops because their
+        reports stopped, from now on."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +128,47 @@ class _Placement:
     ttft_s: float | None = None
     expert_hist: tuple[int, ...] = ()
     trace: tuple[tuple[str, str], ...] = ()
+    # While the stream's task waits for the engine's next event: since when,
+    # and that task (to end the wait if the replica is lost).
+    waiting_since: float | None = None
+    task: asyncio.Task[Any] | None = None
+    cut: bool = False  # the task was cancelled because the replica is lost
+
+
+async def _next_event(
+    events: AsyncIterator[EngineEvent], timeout: float | None, watch: _Placement | None
+) -> EngineEvent:
+    """The stream's next event, within ``timeout``, its wait watched."""
+    if watch is None:
+        return await asyncio.wait_for(anext(events), timeout)
+    _waiting(watch)
+    try:
+        return await asyncio.wait_for(anext(events), timeout)
+    except BaseException as e:
+        _raise_if_cut(watch, e)
+        raise
+    finally:
+        watch.waiting_since = None
+
+
+def _waiting(watch: _Placement) -> None:
+    watch.task = asyncio.current_task()
+    watch.waiting_since = asyncio.get_running_loop().time()
+
+
+def _raise_if_cut(watch: _Placement, e: BaseException) -> None:
+    """Turns the cancellation that ended a wait on a lost replica into that
+    engine's failure (unless the task is also being cancelled for itself)."""
+    if not watch.cut:
+        return
+    watch.cut = False
+    task = asyncio.current_task()
+    if (
+        task is not None
+        and task.uncancel() == 0
+        and not isinstance(e, StopAsyncIteration)
+    ):
+        raise EngineFailed(f"replica {watch.replica_id} was lost") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,11 +265,27 @@ def _cancel(stream: EngineStream) -> None:
 
 
 async def _chain(
-    head: list[EngineEvent], rest: AsyncIterator[EngineEvent]
+    head: list[EngineEvent],
+    rest: AsyncIterator[EngineEvent],
+    watch: _Placement | None = None,
 ) -> AsyncIterator[EngineEvent]:
     for event in head:
         yield event
-    async for event in rest:
+    if watch is None:
+        async for event in rest:
+            yield event
+        return
+    while True:
+        _waiting(watch)
+        try:
+            event = await anext(rest)
+        except StopAsyncIteration:
+            return
+        except BaseException as e:
+            _raise_if_cut(watch, e)
+            raise
+        finally:
+            watch.waiting_since = None
         yield event
 
 
@@ -248,6 +322,9 @@ class Frontend:
         self._inflight: dict[str, EngineStream] = {}  # request id -> open stream
         self._aborted: set[str] = set()
         self._placed: dict[str, _Placement] = {}  # requests the router dispatched
+        self._lost: dict[str, float] = {}  # replicas the router lost -> when
+        self._sweeper: asyncio.Task[None] | None = None
+        self._watching_lost = False
 
     # -- admission -----------------------------------------------------------
 
@@ -388,7 +465,8 @@ class Frontend:
                         resumed=migrations > 0,
                         avoid=replica if migrations else "",
                     )
-                    async for event in _chain(head, events):
+                    watch = self._placed.get(rid)
+                    async for event in _chain(head, events, watch):
                         if rid in self._aborted:
                             # abort() cancelled the engine stream; what it still
                             # delivers (its Finish among it) is not the client's.
@@ -530,6 +608,9 @@ class Frontend:
         (elsewhere than ``avoid``, the replica it just failed on, if it can)."""
         if self._admission is None:
             return request
+        if not self._watching_lost:  # the first request: follow lost replicas
+            self._watching_lost = True
+            self._admission.watch_lost(self.replicas_lost)
         loop = asyncio.get_running_loop()
         remaining = None if deadline is None else max(deadline - loop.time(), 1e-3)
         trace = tel.carrier() if tel is not None else {}
@@ -605,10 +686,11 @@ class Frontend:
             self._inflight[rid] = stream
             events = aiter(stream)
             head: list[EngineEvent] = []
+            watch = self._placed.get(rid)
             try:
                 while not head or isinstance(head[-1], Started):
                     timeout = None if deadline is None else deadline - loop.time()
-                    head.append(await asyncio.wait_for(anext(events), timeout))
+                    head.append(await _next_event(events, timeout, watch))
                     if isinstance(head[-1], HandOff | EngineLost):  # no output yet
                         _raise_ended(head[-1])
                     self._mark(rid, head[-1], loop.time())
@@ -633,6 +715,50 @@ class Frontend:
                     "request %s: engine failed before output (%r); retrying", rid, e
                 )
         raise AssertionError("unreachable")
+
+    def replicas_lost(self, replica_ids: Iterable[str]) -> None:
+        """The router dropped these replicas: their reports stopped. Streams
+        still waiting on them are ended as their engine's failure once silent
+        for ``LOST_SILENCE_S`` (a live replica's streams go on)."""
+        loop = asyncio.get_running_loop()
+        for r in replica_ids:
+            self._lost[r] = loop.time()
+        logger.warning(
+            "replicas lost (no reports): %s; resuming their silent streams",
+            ", ".join(replica_ids),
+        )
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = loop.create_task(self._sweep_lost())
+
+    async def _sweep_lost(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._lost:
+            now = loop.time()
+            waiting = False
+            for rid, placed in self._placed.items():
+                if placed.replica_id not in self._lost:
+                    continue
+                waiting = True
+                since, task = placed.waiting_since, placed.task
+                if (
+                    since is not None
+                    and now - since >= LOST_SILENCE_S
+                    and task is not None
+                    and not placed.cut
+                ):
+                    placed.cut = True
+                    logger.warning(
+                        "request %s: replica %s is lost and its stream silent "
+                        "for %.1f s; ending it there",
+                        rid,
+                        placed.replica_id,
+                        now - since,
+                    )
+                    task.cancel()
+            for r, at in list(self._lost.items()):
+                if not waiting or now - at > LOST_MEMORY_S:
+                    del self._lost[r]
+            await asyncio.sleep(LOST_SWEEP_S)
 
     def _mark(self, rid: str, event: EngineEvent, now: float) -> None:
         placed = self._placed.get(rid)

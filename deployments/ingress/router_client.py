@@ -11,6 +11,11 @@ Admission calls survive a router restart: Ray retries calls in flight on the
 restarted actor, and a call refused because the actor is gone is retried here for
 ``retry_s`` before the client gets UNAVAILABLE. Releases are fire-and-forget: one
 lost while the router restarts is reconciled away by the next replica report.
+
+``watch_lost`` follows the replicas the router drops because their reports
+stopped (a long poll, one call outstanding per ingress): the ingress then ends
+the streams it still waits on from them, long before Ray declares a lost node's
+actors dead.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from router.types import Outcome, Release, RouteDecision, Shed, Ticket
 
 logger = logging.getLogger("moe_cluster.ingress")
 RETRY_PAUSE_S = 0.2
+LOST_POLL_S = 20.0  # one lost_replicas call waits this long for news
 
 
 class _Retry:
@@ -52,6 +58,7 @@ class RouterClient:
         self._admits: list[tuple[Ticket, asyncio.Future[_Answer]]] = []
         self._releases: list[Release] = []
         self._sending: set[asyncio.Task[None]] = set()
+        self._watching: asyncio.Task[None] | None = None
 
     async def admit(self, ticket: Ticket) -> RouteDecision:
         if not self._batching:
@@ -132,6 +139,39 @@ class RouterClient:
                 raise answer
             assert isinstance(answer, RouteDecision)
             return answer
+
+    def watch_lost(self, on_lost: Callable[[list[str]], None]) -> None:
+        """Calls ``on_lost`` with the replicas the router drops for silence,
+        from now on (started once, on the running loop)."""
+        if self._watching is None:
+            loop = asyncio.get_running_loop()
+            self._watching = loop.create_task(self._watch_lost(on_lost))
+
+    async def _watch_lost(self, on_lost: Callable[[list[str]], None]) -> None:
+        from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+        since = -1  # the router answers with its last number: follow from there
+        while True:
+            try:
+                since, lost = await self._handle.lost_replicas.remote(
+                    since, LOST_POLL_S
+                )
+            except asyncio.CancelledError:
+                raise
+            except ActorUnavailableError:
+                await asyncio.sleep(RETRY_PAUSE_S)  # restarting: ask it again
+                continue
+            except ActorDiedError:
+                # Replaced: the next admission connects to the new one (this
+                # loop must not create a router for an app that is stopping).
+                await asyncio.sleep(1.0)
+                continue
+            except Exception as e:
+                logger.warning("following lost replicas failed: %r", e)
+                await asyncio.sleep(1.0)
+                continue
+            if lost:
+                on_lost([str(r) for r in lost])
 
     async def closing(self, timeout_s: float) -> bool:
         """Whether the router has closed (the cluster is stopping); False when

@@ -4,7 +4,9 @@ started in-process.
     .venv/bin/python -m tests.chaos.worker_node MODEL_DIR OUT   # pickles a Row to OUT
 
 Each node has one CPU, so the app's two engine replicas (one CPU each) run one per
-node; the proxy and the ingress run on the head. Six closed-loop greedy gRPC streams
+node; the proxy and the ingress run on the head (the ingress is placed there: its
+own loss is the suite's ingress row), as the router and the page store directory
+do (every singleton runs on the head node). Six closed-loop greedy gRPC streams
 (the chaos suite's load) run for 3 s; then the worker node is removed without
 warning: its raylet, its engine replica and that engine's vLLM processes, its page
 store. The row counts what the clients saw, as the suite's other rows do: the streams
@@ -25,7 +27,9 @@ import ray
 from ray import serve
 from ray.cluster_utils import Cluster
 
+from cluster.actors import HEAD_NODE
 from cluster.config import ClusterConfig
+from deployments import app as app_module
 from deployments.app import build_app, prepare_model, proxy_options
 from deployments.ingress.client import InferenceClient
 from kvstore import actor as kv_actor
@@ -66,7 +70,17 @@ def config(model: str, http_port: int, grpc_port: int) -> ClusterConfig:
     )
 
 
+def _ingress_on_the_head(config: ClusterConfig) -> dict[str, Any]:
+    options = INGRESS_OPTIONS(config)
+    actor = options["ray_actor_options"] | {"resources": {HEAD_NODE: 0.001}}
+    return options | {"ray_actor_options": actor}
+
+
+INGRESS_OPTIONS = app_module.ingress_options
+
+
 def main(model: str, out_path: str) -> None:
+    app_module.ingress_options = _ingress_on_the_head
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     worker = cluster.add_node(num_cpus=1)
     ray.init(address=cluster.address)
@@ -83,6 +97,9 @@ def main(model: str, out_path: str) -> None:
     )
     nodes = {s.node_id for s in replicas.values()}
     assert len(nodes) == 2, "one engine replica per node"
+    head = cluster.head_node.node_id
+    for name in (router_actor.actor_name(APP), kv_actor.directory_name(APP)):
+        assert _node_of(name) == head, f"{name} runs on the head node"
     wait_until(
         lambda: len(_router(APP).replicas) == 2, 60, "the router to see 2 replicas"
     )
@@ -104,6 +121,16 @@ def main(model: str, out_path: str) -> None:
     kv_actor.kill(APP)
     ray.shutdown()
     cluster.shutdown()
+
+
+def _node_of(actor_name: str) -> str:
+    from ray.util.state import list_actors
+
+    def alive() -> Any:
+        return list_actors(filters=[("name", "=", actor_name), ("state", "=", "ALIVE")])
+
+    (actor,) = wait_until(alive, 60, f"{actor_name} alive")
+    return str(actor.node_id)
 
 
 def _router(app: str) -> Any:

@@ -91,3 +91,23 @@ async def test_requests_dispatched_while_another_is_shed_are_delivered() -> None
     with pytest.raises(Shed, match="background queue is full"):
         await asyncio.wait_for(svc.admit(Ticket("x", QoS.BACKGROUND, 4, 4)), 1)
     assert (await asyncio.wait_for(queued, 1)).replica_id == "a"
+
+
+async def test_replicas_dropped_for_silence_are_told_to_whoever_follows() -> None:
+    clock = Clock()
+    svc = _service(clock, [])
+    svc.report(ReplicaReport(ReplicaId("b")))
+    assert await svc.lost_replicas(-1, 0) == (0, [])  # where to follow from
+    waiting = [asyncio.create_task(svc.lost_replicas(0, 5)) for _ in range(2)]
+    short = asyncio.create_task(svc.lost_replicas(0, 0.01))
+    assert await short == (0, [])  # timed out; the others still wait
+    clock.advance(60)
+    svc.report(ReplicaReport(ReplicaId("b")))
+    svc.tick()
+    assert await asyncio.wait_for(asyncio.gather(*waiting), 1) == [(1, ["a"])] * 2
+    clock.advance(60)
+    svc.tick()
+    assert await svc.lost_replicas(0, 0) == (2, ["a", "b"])  # missed ones too
+    assert await svc.lost_replicas(1, 0) == (2, ["b"])
+    # A since this service never gave (its router restarted): start over.
+    assert await svc.lost_replicas(7, 0) == (2, [])

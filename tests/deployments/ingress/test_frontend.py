@@ -34,7 +34,9 @@ FACTS = ModelFacts("m", "DeepseekV2ForCausalLM", 64, 100, 4, 3, 16, 1, 2, 4, 2)
 
 
 class ScriptedStream:
-    """Yields ``script`` items (events, exceptions to raise, or "hang")."""
+    """Yields ``script`` items: events; exceptions to raise; "hang" (until
+    cancelled); "dead" (forever: a replica on a lost node, which no cancel
+    reaches); a float (a pause of that many seconds)."""
 
     def __init__(self, script: list[Any]) -> None:
         self.script = script
@@ -53,6 +55,11 @@ class ScriptedStream:
             if item == "hang":
                 await self.cancelled.wait()
                 raise RequestCancelledError("x")
+            if item == "dead":
+                await asyncio.Event().wait()
+            if isinstance(item, float):
+                await asyncio.sleep(item)
+                continue
             if isinstance(item, BaseException):
                 raise item
             await asyncio.sleep(0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import pytest
 
 from cluster.config import RouterConfig
 from cluster.qos import QoS
+from deployments.ingress import frontend
 from deployments.ingress.errors import (
     INVALID,
     OVERLOADED,
@@ -19,6 +21,7 @@ from deployments.ingress.errors import (
 from deployments.ingress.frontend import Frontend
 from deployments.ingress.validation import InvalidRequest, Limits
 from deployments.protocol import (
+    EngineFailed,
     EngineLost,
     EngineRequest,
     Finish,
@@ -35,6 +38,7 @@ from router.settings import CoreSettings
 from router.tickets import TicketMaker
 from router.types import ReplicaId, ReplicaReport, Shed
 from tests.deployments.ingress.test_frontend import FACTS, ScriptedStream
+from tests.router.clock import Clock
 from tests.waiting import until
 
 
@@ -51,6 +55,16 @@ class LocalAdmission:
     def release(self, release: Any) -> None:
         self.service.release(release)
 
+    def watch_lost(self, on_lost: Callable[[list[str]], None]) -> None:
+        async def follow() -> None:
+            since = -1
+            while True:
+                since, lost = await self.service.lost_replicas(since, 10.0)
+                if lost:
+                    on_lost(list(lost))
+
+        self.watching = asyncio.get_running_loop().create_task(follow())
+
 
 def running(service: RouterService) -> int:
     return sum(r.running for r in service.snapshot().replicas.values())
@@ -62,6 +76,7 @@ def setup(
     queue: int = 8,
     migration_limit: int = 0,
     breaker_failures: int = 2,
+    clock: Callable[[], float] = lambda: 0.0,
 ) -> tuple[Frontend, RouterService, list[EngineRequest]]:
     cfg = RouterConfig.model_validate(
         {
@@ -71,7 +86,7 @@ def setup(
             "max_queued": dict.fromkeys(("realtime", "normal", "background"), queue),
         }
     )
-    service = RouterService(RouterCore(CoreSettings.of(cfg), clock=lambda: 0.0))
+    service = RouterService(RouterCore(CoreSettings.of(cfg), clock=clock))
     for r in ("a", "b"):
         service.report(ReplicaReport(ReplicaId(r)))
     opened: list[EngineRequest] = []
@@ -349,3 +364,107 @@ async def test_a_request_handed_off_before_its_first_token_is_placed_again() -> 
     assert events[-1] == Finish("length", 3, 2, 0, "b")  # no migration counted
     assert len(opened) == 2
     assert service.snapshot().replicas["a"].breaker == "closed"
+
+
+def lose(service: RouterService, clock: Clock, replica: str, alive: str) -> None:
+    """``replica`` stops reporting long enough for the router to drop it."""
+    clock.advance(60.0)
+    service.report(ReplicaReport(ReplicaId(alive)))
+    service.tick()
+    assert replica not in service.snapshot().replicas
+
+
+@pytest.fixture
+def quick_lost_sweep(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(frontend, "LOST_SILENCE_S", 0.1)
+    monkeypatch.setattr(frontend, "LOST_SWEEP_S", 0.01)
+
+
+@pytest.mark.usefixtures("quick_lost_sweep")
+async def test_a_stream_waiting_on_a_lost_replica_goes_on_elsewhere() -> None:
+    """A lost node's replica answers nothing and no cancel reaches it: once the
+    router drops it, its silent stream resumes on another replica."""
+    clock = Clock()
+    fe, service, opened = setup(
+        [Started("a"), tokens(5), "dead"],
+        [Started("b"), TokenDelta((6,), "g"), Finish("length", 4, 1, 3, "b")],
+        migration_limit=1,
+        clock=clock,
+    )
+    fe.tokenizer = Tokens()
+    got: list[Any] = []
+
+    async def client() -> None:
+        async for event in fe.stream(EngineRequest("l1", (1, 2, 3), Sampling(2))):
+            got.append(event)
+
+    task = asyncio.create_task(client())
+    await until(lambda: any(isinstance(e, TokenDelta) for e in got), "a token")
+    lose(service, clock, "a", alive="b")
+    await asyncio.wait_for(task, 5)
+    assert [t for e in got if isinstance(e, TokenDelta) for t in e.token_ids] == [5, 6]
+    assert got[-1] == Finish("length", 3, 2, 3, "b", migrations=1)
+    assert [r.replica_id for r in opened] == ["a", "b"]
+    assert opened[1].prompt_token_ids == (1, 2, 3, 5)
+    assert running(service) == 0
+
+
+@pytest.mark.usefixtures("quick_lost_sweep")
+async def test_a_request_yet_to_start_on_a_lost_replica_is_placed_again() -> None:
+    clock = Clock()
+    fe, service, opened = setup([Started("a"), "dead"], ok("b"), clock=clock)
+    task = asyncio.create_task(drain(fe, req("l2")))
+    await until(lambda: opened, "the stream opened")
+    lose(service, clock, "a", alive="b")
+    events = await asyncio.wait_for(task, 5)
+    assert events[-1] == Finish("length", 3, 2, 0, "b")  # nothing sent: no migration
+    assert [r.replica_id for r in opened] == ["a", "b"]
+
+
+@pytest.mark.usefixtures("quick_lost_sweep")
+async def test_a_stream_still_flowing_from_a_dropped_replica_is_left_alone() -> None:
+    """Dropped for silence is a judgement on its reports: a stream that still
+    gets tokens from it is not moved."""
+    clock = Clock()
+    pace = [x for i in range(5, 15) for x in (0.03, tokens(i))]
+    fe, service, opened = setup(
+        [Started("a"), *pace, Finish("length", 3, 10, 0, "a")],
+        migration_limit=1,
+        clock=clock,
+    )
+    fe.tokenizer = Tokens()
+    task = asyncio.create_task(
+        drain(fe, EngineRequest("l3", (1, 2, 3), Sampling(max_tokens=10)))
+    )
+    await until(lambda: opened, "the stream opened")
+    lose(service, clock, "a", alive="b")
+    events = await asyncio.wait_for(task, 5)
+    assert events[-1] == Finish("length", 3, 10, 0, "a")
+    assert len(opened) == 1
+
+
+async def _waiting_on_a_dead_replica() -> tuple[asyncio.Task[Any], Any]:
+    watch = frontend._Placement("a", 0.0)
+    events = aiter(ScriptedStream(["dead"]))
+    task = asyncio.create_task(frontend._next_event(events, None, watch))
+    await until(lambda: watch.waiting_since is not None, "the wait")
+    return task, watch
+
+
+async def test_a_wait_cut_for_a_lost_replica_ends_as_that_engines_failure() -> None:
+    task, watch = await _waiting_on_a_dead_replica()
+    watch.cut = True
+    task.cancel()
+    with pytest.raises(EngineFailed, match="replica a was lost"):
+        await task
+    assert not watch.cut and watch.waiting_since is None
+
+
+async def test_a_wait_cut_and_cancelled_for_itself_stays_cancelled() -> None:
+    """The client went away as the replica was lost: its cancel wins."""
+    task, watch = await _waiting_on_a_dead_replica()
+    watch.cut = True
+    task.cancel()  # the cut
+    task.cancel()  # the task's own
+    with pytest.raises(asyncio.CancelledError):
+        await task

@@ -11,6 +11,7 @@ import pytest
 from cluster.qos import QoS
 from deployments.ingress.router_client import RouterClient
 from router.types import Outcome, Release, ReplicaId, RouteDecision, Shed, Ticket
+from tests.waiting import until
 
 
 class _Method:
@@ -30,7 +31,16 @@ class FakeRouter:
         self.released: list[Release] = []
         self.queued: dict[str, asyncio.Future[RouteDecision | Shed]] = {}
         self.dead_batches = 0
-        for name in ("admit_many", "admission", "admit", "release", "release_many"):
+        # lost_replicas answers, in order; an exception is raised.
+        self.lost: asyncio.Queue[Any] = asyncio.Queue()
+        for name in (
+            "admit_many",
+            "admission",
+            "admit",
+            "release",
+            "release_many",
+            "lost_replicas",
+        ):
             setattr(self, name, _Method(getattr(self, "_" + name)))
 
     def _decide(self, t: Ticket) -> RouteDecision | Shed | None:
@@ -49,6 +59,13 @@ class FakeRouter:
             self.dead_batches -= 1
             raise ActorUnavailableError("restarting", None)
         return [self._decide(t) for t in tickets]
+
+    async def _lost_replicas(self, since: int, wait_s: float) -> Any:
+        self.calls.append(("lost_replicas", since))
+        answer = await self.lost.get()
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
 
     async def _admission(self, rid: str) -> Any:
         self.calls.append(("admission", rid))
@@ -129,5 +146,29 @@ def test_a_batch_the_router_cannot_take_is_admitted_one_by_one() -> None:
         decisions = await asyncio.gather(c.admit(ticket("a1")), c.admit(ticket("a2")))
         assert [d.replica_id for d in decisions] == ["r1", "r1"]
         assert ("admit", "a1") in router.calls and ("admit", "a2") in router.calls
+
+    asyncio.run(run())
+
+
+def test_lost_replicas_are_followed_through_a_router_restart() -> None:
+    from ray.exceptions import ActorUnavailableError
+
+    async def run() -> None:
+        router = FakeRouter()
+        c = client(router)
+        told: list[list[str]] = []
+        c.watch_lost(told.append)
+        c.watch_lost(told.append)  # started once
+        for answer in (
+            (0, []),  # nothing lost yet: follow from 0
+            ActorUnavailableError("restarting", None),
+            (1, [ReplicaId("r0")]),
+            (3, [ReplicaId("r1"), ReplicaId("r2")]),
+        ):
+            router.lost.put_nowait(answer)
+        await until(lambda: len(told) == 2, "both losses")
+        assert told == [["r0"], ["r1", "r2"]]
+        asked = [since for name, since in router.calls if name == "lost_replicas"]
+        assert asked[:5] == [-1, 0, 0, 1, 3]
 
     asyncio.run(run())
