@@ -143,12 +143,16 @@ async def _next_event(
         return await asyncio.wait_for(anext(events), timeout)
     _waiting(watch)
     try:
-        return await asyncio.wait_for(anext(events), timeout)
+        event = await asyncio.wait_for(anext(events), timeout)
     except BaseException as e:
-        _raise_if_cut(watch, e)
+        if _cut_off(watch, e):
+            raise _lost(watch) from None
         raise
     finally:
         watch.waiting_since = None
+    if watch.cut:  # the cancel was absorbed on the way: the stream goes on
+        _cut_off(watch, None)
+    return event
 
 
 def _waiting(watch: _Placement) -> None:
@@ -156,19 +160,23 @@ def _waiting(watch: _Placement) -> None:
     watch.waiting_since = asyncio.get_running_loop().time()
 
 
-def _raise_if_cut(watch: _Placement, e: BaseException) -> None:
-    """Turns the cancellation that ended a wait on a lost replica into that
-    engine's failure (unless the task is also being cancelled for itself)."""
+def _cut_off(watch: _Placement, e: BaseException | None) -> bool:
+    """After a wait the sweeper cut (cancelled its task at the wait): takes
+    that cancel back, and says whether the wait ended because of it, so that
+    the stream ends as its engine's failure. Not when the task is also being
+    cancelled for itself (that cancel goes on), nor when the wait ended some
+    other way (``e`` None: an event came; the stream's end)."""
     if not watch.cut:
-        return
+        return False
     watch.cut = False
     task = asyncio.current_task()
-    if (
-        task is not None
-        and task.uncancel() == 0
-        and not isinstance(e, StopAsyncIteration)
-    ):
-        raise EngineFailed(f"replica {watch.replica_id} was lost") from None
+    if task is None or task.uncancel() > 0:
+        return False
+    return e is not None and not isinstance(e, StopAsyncIteration)
+
+
+def _lost(watch: _Placement) -> EngineFailed:
+    return EngineFailed(f"replica {watch.replica_id} was lost")
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,12 +288,16 @@ async def _chain(
         try:
             event = await anext(rest)
         except StopAsyncIteration:
+            _cut_off(watch, None)
             return
         except BaseException as e:
-            _raise_if_cut(watch, e)
+            if _cut_off(watch, e):
+                raise _lost(watch) from None
             raise
         finally:
             watch.waiting_since = None
+        if watch.cut:  # the cancel was absorbed on the way: the stream goes on
+            _cut_off(watch, None)
         yield event
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -468,3 +469,21 @@ async def test_a_wait_cut_and_cancelled_for_itself_stays_cancelled() -> None:
     task.cancel()  # the task's own
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_a_cut_the_engine_stream_absorbs_lets_the_stream_go_on() -> None:
+    """A cancel swallowed on the way (the wait went on and an event came) is
+    taken back: the stream continues, and its task is not left cancelling."""
+    watch = frontend._Placement("a", 0.0)
+
+    async def absorbing() -> AsyncIterator[Any]:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.Event().wait()
+        yield Started("a")
+
+    task = asyncio.create_task(frontend._next_event(absorbing(), None, watch))
+    await until(lambda: watch.waiting_since is not None, "the wait")
+    watch.cut = True
+    task.cancel()
+    assert await task == Started("a")
+    assert not watch.cut and task.cancelling() == 0
