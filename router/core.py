@@ -174,7 +174,8 @@ class RouterCore:
             )
         deadline_at = None if ticket.deadline_s is None else now + ticket.deadline_s
         waiting = Waiting(ticket, now, deadline_at, next(self._tokens))
-        estimate = self.expected_wait(qos)
+        # What a deadline is checked against, as things stand before it queues.
+        estimate = self.expected_wait(qos) if deadline_at is not None else 0.0
         self.queues.push(waiting)
         mine: RouteDecision | None = None
         others: list[tuple[Waiting, RouteDecision]] = []
@@ -277,18 +278,31 @@ class RouterCore:
             self.config.max_running_per_replica,
             self.config.realtime_reserved_slots,
         )
-        serving = {
-            group: self._group_serves(ranks, qos)
-            for group, ranks in self.groups().items()
-        }
-        return [
-            r
-            for r in self.replicas.values()
-            if serving[r.group_key]
-            and r.takes_work
-            and r.breaker.allows()
-            and r.slots_free(qos, slots, reserved)
-        ]
+        out: list[Replica] = []
+        serving: dict[str, bool] = {}  # group -> whether it takes ``qos``
+        groups: dict[str, list[Replica]] | None = None  # built if any is grouped
+        for r in self.replicas.values():
+            if not (
+                r.takes_work
+                and r.breaker.allows()
+                and r.slots_free(qos, slots, reserved)
+            ):
+                continue
+            key = r.group_key
+            if not r.group and r.group_size <= 1 and key not in self.group_breakers:
+                out.append(r)  # a group of one that takes work: it serves
+                continue
+            serves = serving.get(key)
+            if serves is None:
+                if r.group:
+                    groups = self.groups() if groups is None else groups
+                    ranks = groups[key]
+                else:
+                    ranks = [r]
+                serves = serving[key] = self._group_serves(ranks, qos)
+            if serves:
+                out.append(r)
+        return out
 
     def groups(self) -> dict[str, list[Replica]]:
         """Replicas by EP group (a replica outside any group is its own)."""

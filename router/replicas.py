@@ -47,12 +47,15 @@ class Replica:
     node_id: str = ""  # where it runs ("": unknown, no page store counted)
     draining: bool = False  # Serve is stopping it: no new work, leases finish
     ready: bool = True  # False while it starts (warms up): no work yet
-    # Sum of the leases' predicted expert hits, kept as leases come and go.
+    # Sum of the leases' predicted expert hits, and of their remaining tokens,
+    # kept as leases come, progress and go (every placement reads them).
     _predicted: dict[int, float] = field(default_factory=dict)
+    _load_tokens: int = 0
 
     def add(self, lease: Lease) -> None:
         self.remove(lease.request_id)
         self.leases[lease.request_id] = lease
+        self._load_tokens += lease.remaining_tokens
         for e, n in enumerate(lease.expert_hist):
             if n:
                 self._predicted[e] = self._predicted.get(e, 0.0) + n
@@ -60,10 +63,17 @@ class Replica:
     def remove(self, request_id: str) -> Lease | None:
         lease = self.leases.pop(request_id, None)
         if lease is not None:
+            self._load_tokens -= lease.remaining_tokens
             for e, n in enumerate(lease.expert_hist):
                 if n:
                     self._predicted[e] -= n
         return lease
+
+    def progress(self, lease: Lease, output_tokens: int) -> None:
+        """A lease of this replica has ``output_tokens`` out (its report said)."""
+        self._load_tokens -= lease.remaining_tokens
+        lease.output_tokens = output_tokens
+        self._load_tokens += lease.remaining_tokens
 
     @property
     def running(self) -> int:
@@ -71,7 +81,8 @@ class Replica:
 
     @property
     def load_tokens(self) -> int:
-        return sum(lease.remaining_tokens for lease in self.leases.values())
+        """Tokens its leases still have to compute."""
+        return self._load_tokens
 
     @property
     def takes_work(self) -> bool:
@@ -121,7 +132,7 @@ class Replica:
                     continue  # finished while the report was on its way
                 lease = Lease(p.request_id, p.qos, p.prompt_tokens, p.max_tokens, now)
                 self.add(lease)
-            lease.output_tokens = p.output_tokens
+            self.progress(lease, p.output_tokens)
             lease.reported = True
         for rid, lease in list(self.leases.items()):
             late = now - lease.dispatched_at > grace_s

@@ -374,3 +374,30 @@ def test_a_resumed_request_avoids_the_replica_it_failed_on_while_another_has_roo
     assert isinstance(d, RouteDecision) and d.replica_id == "b"  # now full
     d = submit(core, _t("r3", resumed=True, avoid="a"))
     assert isinstance(d, RouteDecision) and d.replica_id == "a"  # the only room
+
+
+def test_a_replicas_load_follows_its_leases_as_they_come_progress_and_go() -> None:
+    """The load every placement reads is kept as leases change, and always
+    equals what the leases still have to compute."""
+    clock = Clock()
+    core = _core(clock)
+    a = ReplicaId("a")
+
+    def load() -> tuple[int, int]:
+        r = core.replicas[a]
+        return r.load_tokens, sum(x.remaining_tokens for x in r.leases.values())
+
+    core.report(ReplicaReport(a, (RequestProgress("s0", 10, 0, 10),)))
+    assert load() == (20, 20)  # prompt and decode budget
+    core.report(ReplicaReport(a, (RequestProgress("s0", 10, 4, 10),)))
+    assert load() == (6, 6)  # prefilled, 6 to decode
+    decision = submit(core, _t("x", prompt=30, max_tokens=5))
+    assert isinstance(decision, RouteDecision) and decision.replica_id == "b"
+    decision = submit(core, _t("z", prompt=7, max_tokens=5))
+    assert isinstance(decision, RouteDecision) and decision.replica_id == "a"
+    assert load() == (18, 18)
+    core.report(ReplicaReport(a, (RequestProgress("s0", 10, 12, 10),)))
+    assert load() == (12, 12)  # past its budget: nothing left, not negative
+    _ok(core, "z")
+    core.report(ReplicaReport(a, ()))
+    assert load() == (0, 0)
