@@ -9,9 +9,15 @@ Ray actor, as an ingress replica is) runs a closed loop of ``--concurrency``
 requests through the ingress's own ``RouterClient``: admit (a 256-token prompt's
 block hashes and an expert histogram, as the ingress sends), then release at
 once. Prints, per number of ingress processes: admissions/s, and the admit round
-trip at the ingress, p50 and p99. Then the model of the bound for
-``--model-replicas`` x ``--slots``: the router's compute per decision (measured
-in-process, without Ray) against its round-trip cost.
+trip at the ingress, p50 and p99.
+
+Then the model of the bound, for ``--model-replicas`` x ``--slots`` (default 100 x
+64) and for the measured cluster: one router is one event loop, so it sustains
+``B / (call + B * admission)`` admissions/s at ``B`` admissions per batched call,
+where ``call`` is the router's time per actor call whatever it carries (measured
+here: ``admit_many([])`` calls/s from 4 processes at once) and ``admission`` its
+compute per admission and release (measured in-process, without Ray: the actor's
+own ``admit_many`` and ``release_many``, with half the slots busy).
 """
 
 from __future__ import annotations
@@ -130,6 +136,84 @@ class IngressLoad:
         return latencies
 
 
+@ray.remote(num_cpus=0)
+class EmptyCalls:
+    """Calls the router with empty batches, 16 at a time, back to back."""
+
+    async def run(self, start: float, seconds: float) -> int:
+        router = ray.get_actor(router_actor.actor_name(APP), namespace=NAMESPACE)
+        await asyncio.sleep(max(0.0, start - time.time()))
+        calls = 0
+
+        async def loop() -> None:
+            nonlocal calls
+            while time.time() < start + seconds:
+                await router.admit_many.remote([])
+                calls += 1
+
+        await asyncio.gather(*(loop() for _ in range(16)))
+        return calls
+
+
+def call_cost_s(procs: int = 4, seconds: float = 4.0) -> float:
+    """The router's time per actor call: empty calls/s at saturation, inverted."""
+    callers = [EmptyCalls.remote() for _ in range(procs)]  # type: ignore[attr-defined]
+    ray.get([c.__ray_ready__.remote() for c in callers])
+    start = time.time() + 0.5
+    calls: int = sum(ray.get([c.run.remote(start, seconds) for c in callers]))
+    for c in callers:
+        ray.kill(c)
+    return seconds / calls
+
+
+def admission_cost_s(replicas: int, slots: int, rounds: int = 400) -> float:
+    """The router's compute per admission and release, in-process: batches of
+    16 admitted and the oldest 16 released, half of every replica's slots busy."""
+    router = router_actor.DeepSeekRouter(
+        router_config(slots).model_copy(update={"replica_stale_s": 1e9}), EXPERTS
+    )
+    rng = random.Random(0)
+    shapes = []
+    for k in range(64):
+        prompt = [rng.randrange(1000) for _ in range(256)]
+        hist = tuple(rng.randrange(40) for _ in range(EXPERTS))
+        shapes.append((QoS(k % 3), block_hashes(prompt, 16), hist))
+    made = 0
+
+    def batch() -> list[Ticket]:
+        nonlocal made
+        out = []
+        for _ in range(16):
+            qos, hashes, hist = shapes[made % len(shapes)]
+            made += 1
+            out.append(Ticket(f"t{made}", qos, 256, 64, None, hashes, hist))
+        return out
+
+    async def run() -> float:
+        for i in range(replicas):
+            await router.report(ReplicaReport(ReplicaId(f"r{i}")))
+        running: list[tuple[Ticket, Any]] = []
+        while len(running) < replicas * slots // 2:
+            tickets = batch()
+            running += zip(tickets, await router.admit_many(tickets), strict=True)
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            tickets = batch()
+            running += zip(tickets, await router.admit_many(tickets), strict=True)
+            done, running = running[:16], running[16:]
+            await router.release_many(
+                [Release(t.request_id, Outcome.OK, d.replica_id) for t, d in done]
+            )
+        return (time.perf_counter() - t0) / (rounds * 16)
+
+    return asyncio.run(run())
+
+
+def model(call_s: float, admission_s: float) -> dict[str, float]:
+    """Admissions/s one router sustains at batches of 1, 16 and 64."""
+    return {f"batch_{b}": b / (call_s + b * admission_s) for b in (1, 16, 64)}
+
+
 def percentile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
@@ -162,6 +246,7 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--model-replicas", type=int, default=100)
     p.add_argument("--label", default="")
     args = p.parse_args()
     if not (MODEL_DIR / "config.json").exists():
@@ -185,14 +270,31 @@ def main() -> None:
                 f"p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms",
                 flush=True,
             )
+        call_s = call_cost_s()
     finally:
         ray.cancel(reporting)
         router_actor.kill(APP)
         ray.shutdown()
+    bound: dict[str, Any] = {"router_s_per_call": call_s}
+    for n in (args.replicas, args.model_replicas):
+        admission_s = admission_cost_s(n, args.slots)
+        bound[f"{n}x{args.slots}"] = {"router_s_per_admission": admission_s} | model(
+            call_s, admission_s
+        )
+        rates = ", ".join(
+            f"{v:,.0f}/s at {k.split('_')[1]}"
+            for k, v in model(call_s, admission_s).items()
+        )
+        print(
+            f"model, {n} replicas x {args.slots} slots: {call_s * 1e6:.0f} us per "
+            f"call + {admission_s * 1e6:.0f} us per admission and release; one "
+            f"router sustains {rates} per batch",
+            flush=True,
+        )
     RESULTS.mkdir(exist_ok=True)
     with (RESULTS / "router_admission.jsonl").open("a") as f:
         out = {"label": args.label, "replicas": args.replicas, "slots": args.slots}
-        f.write(json.dumps(out | {"rows": rows}) + "\n")
+        f.write(json.dumps(out | {"rows": rows, "bound": bound}) + "\n")
 
 
 if __name__ == "__main__":
