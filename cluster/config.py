@@ -426,6 +426,14 @@ class RouterConfig(_Strict):
     breaker_open_s: float = Field(
         5.0, gt=0, description="How long an opened replica breaker waits to probe."
     )
+    admission_socket: bool = Field(
+        True,
+        description="Ingresses send their batched admissions and releases to the "
+        "router on a direct TCP connection to the router actor (a port on its "
+        "node, in the node's ephemeral range) instead of as Ray actor calls: "
+        "~0.2 ms a round trip instead of ~2 ms. Off: Ray calls only (for networks "
+        "that allow only Ray's own ports between nodes).",
+    )
     migration_limit: int = Field(
         2,
         ge=0,

@@ -40,6 +40,7 @@ from router.types import (
     Ticket,
     Transition,
 )
+from router.wire import AdmissionServer
 
 logger = logging.getLogger("moe_cluster.router")
 METRICS_INTERVAL_S = 1.0  # gauges from a snapshot this often
@@ -75,6 +76,7 @@ class DeepSeekRouter:
         tracing.install_log_context()
         self._tracer = tracing.tracer()
         self._tasks: list[asyncio.Task[None]] = []
+        self._wire: asyncio.Future[str] | None = None  # the admission socket
         # Tickets admit_many left queued, by request id, until ``admission``.
         self._waiting: dict[str, asyncio.Future[RouteDecision | Shed]] = {}
         logger.info("DeepSeekRouter up (policy %s)", config.policy)
@@ -203,6 +205,16 @@ class DeepSeekRouter:
         if removed:
             logger.info("replicas stopping, draining: %s", ", ".join(removed))
         self._service.serving_changed(added, removed)
+
+    async def admission_endpoint(self) -> str:
+        """``host:port`` of this router's admission socket (``router.wire``),
+        opened on the first ask, on this node's address."""
+        self._start()
+        if self._wire is None:
+            server = AdmissionServer(self.admit_many, self.release_many)
+            host: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+            self._wire = asyncio.ensure_future(server.start(host))
+        return await asyncio.shield(self._wire)
 
     async def lost_replicas(
         self, since: int, wait_s: float

@@ -162,6 +162,7 @@ def _router_client(config: ClusterConfig) -> RouterClient | None:
     return RouterClient(
         lambda: router_actor.get_or_create(r, app, model, follow_stores=stores),
         tickets,
+        socket=r.admission_socket,
     )
 
 

@@ -2,10 +2,13 @@
 
 Admissions and releases are batched: those an ingress makes in one turn of its
 event loop go to the router as one call (``admit_many``, ``release_many``), so
-the router's Ray overhead is paid per batch, not per request. A ticket the router
-queues comes back as "waiting" and its answer is asked for on its own
-(``admission``); cancelling that call gives it up, as cancelling a single admit
-does. The router still orders every queued ticket itself, so QoS order is global.
+the router's overhead is paid per batch, not per request. The batches travel on
+a direct socket to the router (``router.wire``) where it can, and as Ray actor
+calls where it cannot (``router.admission_socket`` off, or the socket down).
+A ticket the router queues comes back as "waiting" and its answer is asked for
+on its own (``admission``, by Ray); cancelling that call gives it up, as
+cancelling a single admit does. The router still orders every queued ticket
+itself, so QoS order is global.
 
 Admission calls survive a router restart: Ray retries calls in flight on the
 restarted actor, and a call refused because the actor is gone is retried here for
@@ -28,6 +31,7 @@ from typing import Any
 from deployments.ingress.errors import EngineUnavailable
 from router.tickets import TicketMaker
 from router.types import Outcome, Release, RouteDecision, Shed, Ticket
+from router.wire import AdmissionLink, LinkDown
 
 logger = logging.getLogger("moe_cluster.ingress")
 RETRY_PAUSE_S = 0.2
@@ -49,10 +53,12 @@ class RouterClient:
         tickets: TicketMaker,
         retry_s: float = 15.0,
         batch: bool = True,
+        socket: bool = True,
     ) -> None:
         self.tickets = tickets
         self._connect = connect
         self._handle = connect()
+        self._link = AdmissionLink(self._endpoint) if socket and batch else None
         self._retry_s = retry_s
         self._batching = batch
         self._admits: list[tuple[Ticket, asyncio.Future[_Answer]]] = []
@@ -100,9 +106,12 @@ class RouterClient:
         from ray.exceptions import ActorDiedError, ActorUnavailableError
 
         batch, self._admits = self._admits, []
+        tickets = [t for t, _ in batch]
         try:
-            answers = await self._handle.admit_many.remote([t for t, _ in batch])
+            answers = await self._admit_many(tickets)
         except (ActorDiedError, ActorUnavailableError):
+            answers = [_RETRY] * len(batch)
+        except LinkDown:  # after it went out: as if the router had died
             answers = [_RETRY] * len(batch)
         except Exception as e:
             for _, fut in batch:
@@ -116,6 +125,20 @@ class RouterClient:
                 # Given up while the batch was out: hand back the slot it got,
                 # or withdraw it from its queue.
                 self.release(Release(ticket.request_id, Outcome.CANCELLED))
+
+    async def _admit_many(self, tickets: list[Ticket]) -> list[Any]:
+        if self._link is not None:
+            try:
+                return await self._link.admit_many(tickets)
+            except LinkDown as e:
+                if e.sent:
+                    raise
+        answers: list[Any] = await self._handle.admit_many.remote(tickets)
+        return answers
+
+    async def _endpoint(self) -> str:
+        endpoint: str = await self._handle.admission_endpoint.remote()
+        return endpoint
 
     async def _admit_one(self, ticket: Ticket) -> RouteDecision:
         from ray.exceptions import ActorDiedError, ActorUnavailableError
@@ -199,4 +222,5 @@ class RouterClient:
 
     def _send_releases(self) -> None:
         batch, self._releases = self._releases, []
-        self._handle.release_many.remote(batch)
+        if self._link is None or not self._link.release_many(batch):
+            self._handle.release_many.remote(batch)

@@ -1,23 +1,26 @@
-"""Admissions per second one DeepSeekRouter actor sustains, through Ray.
+"""Admissions per second one DeepSeekRouter actor sustains.
 
     .venv/bin/python -m tests.perf.router_admission [--procs 1,4,16]
         [--replicas 16] [--slots 64] [--concurrency 16] [--seconds 10]
+        [--ray-calls]
 
 The router runs as in a deployment (its named, detached actor). Synthetic engine
 replicas report to it every ``router.report_interval_s``. Each ingress process (a
 Ray actor, as an ingress replica is) runs a closed loop of ``--concurrency``
 requests through the ingress's own ``RouterClient``: admit (a 256-token prompt's
 block hashes and an expert histogram, as the ingress sends), then release at
-once. Prints, per number of ingress processes: admissions/s, and the admit round
-trip at the ingress, p50 and p99.
+once; the batches go on the router's admission socket (``router.wire``), or as
+Ray actor calls with ``--ray-calls``. Prints, per number of ingress processes:
+admissions/s, and the admit round trip at the ingress, p50 and p99.
 
 Then the model of the bound, for ``--model-replicas`` x ``--slots`` (default 100 x
 64) and for the measured cluster: one router is one event loop, so it sustains
 ``B / (call + B * admission)`` admissions/s at ``B`` admissions per batched call,
-where ``call`` is the router's time per actor call whatever it carries (measured
-here: ``admit_many([])`` calls/s from 4 processes at once) and ``admission`` its
-compute per admission and release (measured in-process, without Ray: the actor's
-own ``admit_many`` and ``release_many``, with half the slots busy).
+where ``call`` is the router's time per call whatever it carries (measured here,
+on the same transport: empty ``admit_many`` calls/s from 4 processes at once, an
+upper bound as the callers share the cores) and ``admission`` its compute per
+admission and release (measured in-process: the actor's own ``admit_many`` and
+``release_many``, with half the slots busy).
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ class Reporters:
 class IngressLoad:
     """One ingress process: ``concurrency`` closed loops of admit + release."""
 
-    def __init__(self, index: int, batched: bool) -> None:
+    def __init__(self, index: int, ray_calls: bool) -> None:
         from deployments.ingress.router_client import RouterClient
 
         rng = random.Random(index)
@@ -102,6 +105,7 @@ class IngressLoad:
         self._client = RouterClient(
             lambda: ray.get_actor(router_actor.actor_name(APP), namespace=NAMESPACE),
             None,  # type: ignore[arg-type]  # tickets are made here
+            socket=not ray_calls,
         )
         self._index = index
 
@@ -138,29 +142,37 @@ class IngressLoad:
 
 @ray.remote(num_cpus=0)
 class EmptyCalls:
-    """Calls the router with empty batches, 16 at a time, back to back."""
+    """Calls the router with empty batches, 16 at a time, back to back, on the
+    admission socket as the ingress does (through Ray with ``ray_calls``)."""
 
-    async def run(self, start: float, seconds: float) -> int:
+    async def run(self, start: float, seconds: float, ray_calls: bool) -> int:
+        from router.wire import AdmissionLink
+
         router = ray.get_actor(router_actor.actor_name(APP), namespace=NAMESPACE)
+        link = AdmissionLink(router.admission_endpoint.remote)
         await asyncio.sleep(max(0.0, start - time.time()))
         calls = 0
 
         async def loop() -> None:
             nonlocal calls
             while time.time() < start + seconds:
-                await router.admit_many.remote([])
+                if ray_calls:
+                    await router.admit_many.remote([])
+                else:
+                    await link.admit_many([])
                 calls += 1
 
         await asyncio.gather(*(loop() for _ in range(16)))
         return calls
 
 
-def call_cost_s(procs: int = 4, seconds: float = 4.0) -> float:
-    """The router's time per actor call: empty calls/s at saturation, inverted."""
+def call_cost_s(ray_calls: bool, procs: int = 4, seconds: float = 4.0) -> float:
+    """The router's time per call: empty calls/s at saturation, inverted."""
     callers = [EmptyCalls.remote() for _ in range(procs)]  # type: ignore[attr-defined]
     ray.get([c.__ray_ready__.remote() for c in callers])
     start = time.time() + 0.5
-    calls: int = sum(ray.get([c.run.remote(start, seconds) for c in callers]))
+    runs = [c.run.remote(start, seconds, ray_calls) for c in callers]
+    calls: int = sum(ray.get(runs))
     for c in callers:
         ray.kill(c)
     return seconds / calls
@@ -219,8 +231,10 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def measure(procs: int, concurrency: int, seconds: float) -> dict[str, Any]:
-    loads = [IngressLoad.remote(i, False) for i in range(procs)]  # type: ignore[attr-defined]
+def measure(
+    procs: int, concurrency: int, seconds: float, ray_calls: bool
+) -> dict[str, Any]:
+    loads = [IngressLoad.remote(i, ray_calls) for i in range(procs)]  # type: ignore[attr-defined]
     ray.get([load.__ray_ready__.remote() for load in loads])
     start = time.time() + 1.0
     warm = ray.get([load.run.remote(concurrency, start, 1.0) for load in loads])
@@ -247,6 +261,11 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--model-replicas", type=int, default=100)
+    p.add_argument(
+        "--ray-calls",
+        action="store_true",
+        help="admissions as Ray actor calls (router.admission_socket off)",
+    )
     p.add_argument("--label", default="")
     args = p.parse_args()
     if not (MODEL_DIR / "config.json").exists():
@@ -262,7 +281,7 @@ def main() -> None:
     rows = []
     try:
         for procs in (int(x) for x in args.procs.split(",")):
-            row = measure(procs, args.concurrency, args.seconds)
+            row = measure(procs, args.concurrency, args.seconds, args.ray_calls)
             rows.append(row)
             print(
                 f"{procs:3d} ingress x {args.concurrency} in flight: "
@@ -270,7 +289,7 @@ def main() -> None:
                 f"p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms",
                 flush=True,
             )
-        call_s = call_cost_s()
+        call_s = call_cost_s(args.ray_calls)
     finally:
         ray.cancel(reporting)
         router_actor.kill(APP)
@@ -293,7 +312,12 @@ def main() -> None:
         )
     RESULTS.mkdir(exist_ok=True)
     with (RESULTS / "router_admission.jsonl").open("a") as f:
-        out = {"label": args.label, "replicas": args.replicas, "slots": args.slots}
+        out = {
+            "label": args.label,
+            "transport": "ray" if args.ray_calls else "socket",
+            "replicas": args.replicas,
+            "slots": args.slots,
+        }
         f.write(json.dumps(out | {"rows": rows, "bound": bound}) + "\n")
 
 

@@ -11,14 +11,17 @@ import pytest
 from cluster.qos import QoS
 from deployments.ingress.router_client import RouterClient
 from router.types import Outcome, Release, ReplicaId, RouteDecision, Shed, Ticket
+from router.wire import AdmissionServer
 from tests.waiting import until
 
 
 class _Method:
     def __init__(self, fn: Callable[..., Any]) -> None:
         self._fn = fn
+        self.count = 0  # calls made through Ray
 
     def remote(self, *args: Any) -> Any:
+        self.count += 1
         return asyncio.ensure_future(self._fn(*args))
 
 
@@ -88,7 +91,8 @@ def ticket(rid: str) -> Ticket:
 
 
 def client(router: FakeRouter) -> RouterClient:
-    return RouterClient(lambda: router, None)  # type: ignore[arg-type]
+    """A client that calls the router through Ray only."""
+    return RouterClient(lambda: router, None, socket=False)  # type: ignore[arg-type]
 
 
 def test_one_turns_admissions_and_releases_are_one_call_each() -> None:
@@ -170,5 +174,30 @@ def test_lost_replicas_are_followed_through_a_router_restart() -> None:
         assert told == [["r0"], ["r1", "r2"]]
         asked = [since for name, since in router.calls if name == "lost_replicas"]
         assert asked[:5] == [-1, 0, 0, 1, 3]
+
+    asyncio.run(run())
+
+
+def test_batches_take_the_routers_socket_and_ray_while_it_is_down() -> None:
+    async def run() -> None:
+        router = FakeRouter()
+        server = AdmissionServer(router._admit_many, router._release_many)
+        endpoint = await server.start("127.0.0.1")
+
+        async def where() -> str:
+            return endpoint
+
+        router.admission_endpoint = _Method(where)  # type: ignore[attr-defined]
+        c = RouterClient(lambda: router, None)  # type: ignore[arg-type]
+        decisions = await asyncio.gather(*(c.admit(ticket(f"a{i}")) for i in range(3)))
+        assert [d.replica_id for d in decisions] == ["r0"] * 3
+        assert router.calls == [("admit_many", ["a0", "a1", "a2"])]
+        c.release(Release("a0", Outcome.OK, ReplicaId("r0")))
+        await until(lambda: router.released, "the release")
+        assert (router.admit_many.count, router.release_many.count) == (0, 0)
+        await server.stop()  # the router restarts: Ray carries the next ones
+        await until(lambda: not c._link.up, "the socket closed")  # type: ignore[union-attr]
+        assert (await c.admit(ticket("b"))).replica_id == "r0"
+        assert router.admit_many.count == 1
 
     asyncio.run(run())
