@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cluster.config import ClusterConfig, load_config
-from deployments.app import USER_CODE_THREAD, ingress_options
+from deployments.app import INGRESS_HEALTH_CHECK_S, USER_CODE_THREAD, ingress_options
 from deployments.cli import DEFAULT_CONFIG
 
 
@@ -22,3 +22,7 @@ def test_the_ingress_handles_requests_on_its_replicas_main_loop() -> None:
 def test_the_ingress_can_keep_serves_second_thread() -> None:
     actor = ingress_options(config(ingress_on_main_loop=False))["ray_actor_options"]
     assert "runtime_env" not in actor
+
+
+def test_a_dead_ingress_replica_is_noticed_within_seconds() -> None:
+    assert ingress_options(config())["health_check_period_s"] == INGRESS_HEALTH_CHECK_S
