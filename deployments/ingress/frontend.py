@@ -284,20 +284,10 @@ async def _chain(
             yield event
         return
     while True:
-        _waiting(watch)
         try:
-            event = await anext(rest)
+            event = await _next_event(rest, None, watch)
         except StopAsyncIteration:
-            _cut_off(watch, None)
             return
-        except BaseException as e:
-            if _cut_off(watch, e):
-                raise _lost(watch) from None
-            raise
-        finally:
-            watch.waiting_since = None
-        if watch.cut:  # the cancel was absorbed on the way: the stream goes on
-            _cut_off(watch, None)
         yield event
 
 
