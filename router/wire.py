@@ -10,6 +10,7 @@ methods, so the QoS order and every decision are the same; everything else
 
     frame:   | length: u32 big-endian | msgpack [seq, method, payload] |
     answer:  | length | msgpack [seq, [[kind, value], ...]] |    (admissions only)
+             | length | msgpack [seq, "message"] |   the router's admit_many raised
 
 A connection that fails fails the batch in flight on it: the ingress then admits
 those tickets again through Ray, as after a router restart (``LinkDown.sent``
@@ -47,7 +48,11 @@ _encoder = msgspec.msgpack.Encoder()
 _frame_decoder = msgspec.msgpack.Decoder(tuple[int, str, msgspec.Raw])
 _tickets = msgspec.msgpack.Decoder(list[Ticket])
 _releases = msgspec.msgpack.Decoder(list[Release])
-_answers = msgspec.msgpack.Decoder(tuple[int, list[tuple[str, Any]]])
+_answers = msgspec.msgpack.Decoder(tuple[int, list[tuple[str, Any]] | str])
+
+
+class RouterError(Exception):
+    """The router's ``admit_many`` raised (its message), as a Ray call would."""
 
 
 class LinkDown(Exception):
@@ -141,9 +146,14 @@ class AdmissionServer:
     async def _admit(
         self, seq: int, tickets: list[Ticket], writer: asyncio.StreamWriter
     ) -> None:
-        answers = await self._admit_many(tickets)
+        body: Any
+        try:
+            body = [_encode_answer(a) for a in await self._admit_many(tickets)]
+        except Exception as e:  # the batch's callers get it, as over Ray
+            logger.warning("admit_many failed: %r", e)
+            body = repr(e)
         if not writer.is_closing():
-            writer.write(_frame((seq, [_encode_answer(a) for a in answers])))
+            writer.write(_frame((seq, body)))
 
 
 class AdmissionLink:
@@ -166,6 +176,8 @@ class AdmissionLink:
 
     async def admit_many(self, tickets: list[Ticket]) -> list[Answer]:
         writer = await self._connected()
+        if self._writer is not writer or writer.is_closing():
+            raise LinkDown("connection to the router lost", sent=False)
         seq = next(self._seq)
         answer: asyncio.Future[list[Answer]] = (
             asyncio.get_running_loop().create_future()
@@ -219,7 +231,11 @@ class AdmissionLink:
             while True:
                 seq, answers = _answers.decode(await _read_frame(reader))
                 fut = self._pending.get(seq)
-                if fut is not None and not fut.done():
+                if fut is None or fut.done():
+                    continue
+                if isinstance(answers, str):
+                    fut.set_exception(RouterError(answers))
+                else:
                     fut.set_result([_decode_answer(k, v) for k, v in answers])
         except (asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError) as e:
             logger.warning("connection to the router lost (%r); using Ray", e)

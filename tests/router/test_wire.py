@@ -10,7 +10,7 @@ import pytest
 from cluster.qos import QoS
 from router import wire
 from router.types import Outcome, Release, ReplicaId, RouteDecision, Shed, Ticket
-from router.wire import AdmissionLink, AdmissionServer, LinkDown
+from router.wire import AdmissionLink, AdmissionServer, LinkDown, RouterError
 from tests.waiting import until
 
 
@@ -29,6 +29,8 @@ class Router:
         await self.hold.wait()
         out: list[Any] = []
         for t in tickets:
+            if t.request_id.startswith("boom"):
+                raise ValueError("the router could not take it")
             if t.request_id.startswith("q"):
                 out.append(None)
             elif t.request_id.startswith("shed"):
@@ -152,5 +154,22 @@ async def test_nonsense_on_the_socket_drops_that_connection_only() -> None:
     link = AdmissionLink(where)
     assert (await link.admit_many([ticket("a")]))[0] is not None
     writer.close()
+    link.close()
+    await server.stop()
+
+
+async def test_a_batch_the_router_raises_on_fails_with_its_error_alone() -> None:
+    """As over Ray: that batch's callers get the error; the connection and the
+    other batches go on."""
+    _router, server, endpoint = await serve()
+
+    async def where() -> str:
+        return endpoint
+
+    link = AdmissionLink(where)
+    with pytest.raises(RouterError, match="could not take it"):
+        await link.admit_many([ticket("boom")])
+    assert link.up
+    assert (await link.admit_many([ticket("a")]))[0] is not None
     link.close()
     await server.stop()
