@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import time
@@ -80,6 +81,19 @@ class Reporters:
             await asyncio.sleep(self._interval_s)
 
 
+def ticket_shapes(seed: int) -> list[Ticket]:
+    """64 tickets as the ingress makes them (a 256-token prompt's block hashes
+    and an expert histogram, the three classes in turn), to copy."""
+    rng = random.Random(seed)
+    shapes = []
+    for k in range(64):
+        prompt = [rng.randrange(1000) for _ in range(256)]
+        hist = tuple(rng.randrange(40) for _ in range(EXPERTS))
+        hashes = block_hashes(prompt, 16)
+        shapes.append(Ticket(f"{seed}-{k}", QoS(k % 3), 256, 64, None, hashes, hist))
+    return shapes
+
+
 @ray.remote(num_cpus=0)
 class IngressLoad:
     """One ingress process: ``concurrency`` closed loops of admit + release."""
@@ -87,21 +101,7 @@ class IngressLoad:
     def __init__(self, index: int, ray_calls: bool) -> None:
         from deployments.ingress.router_client import RouterClient
 
-        rng = random.Random(index)
-        self._tickets: list[Ticket] = []
-        for k in range(64):
-            prompt = [rng.randrange(1000) for _ in range(256)]
-            self._tickets.append(
-                Ticket(
-                    f"{index}-{k}",
-                    QoS(k % 3),
-                    256,
-                    64,
-                    None,
-                    block_hashes(prompt, 16),
-                    tuple(rng.randrange(40) for _ in range(EXPERTS)),
-                )
-            )
+        self._tickets = ticket_shapes(index)
         self._client = RouterClient(
             lambda: ray.get_actor(router_actor.actor_name(APP), namespace=NAMESPACE),
             None,  # type: ignore[arg-type]  # tickets are made here
@@ -184,21 +184,16 @@ def admission_cost_s(replicas: int, slots: int, rounds: int = 400) -> float:
     router = router_actor.DeepSeekRouter(
         router_config(slots).model_copy(update={"replica_stale_s": 1e9}), EXPERTS
     )
-    rng = random.Random(0)
-    shapes = []
-    for k in range(64):
-        prompt = [rng.randrange(1000) for _ in range(256)]
-        hist = tuple(rng.randrange(40) for _ in range(EXPERTS))
-        shapes.append((QoS(k % 3), block_hashes(prompt, 16), hist))
+    shapes = ticket_shapes(0)
     made = 0
 
     def batch() -> list[Ticket]:
         nonlocal made
         out = []
         for _ in range(16):
-            qos, hashes, hist = shapes[made % len(shapes)]
+            shape = shapes[made % len(shapes)]
             made += 1
-            out.append(Ticket(f"t{made}", qos, 256, 64, None, hashes, hist))
+            out.append(dataclasses.replace(shape, request_id=f"t{made}"))
         return out
 
     async def run() -> float:
