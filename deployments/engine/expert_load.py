@@ -96,9 +96,15 @@ class ExpertLoadExtension:
         return tuple(layer for layer, _ in found), experts
 
     def _moe_hook(self, i: int, chained: Any) -> Any:
+        import torch
         from vllm.forward_context import get_forward_context
 
         counts = self._moe_counts
+        row = counts[i]  # a view, made once: the hook runs every MoE layer's step
+        # Ones to add, sliced to each step's token count (a view, not a new
+        # tensor), grown when a step has more: the hook is on the forward pass's
+        # path, so it costs one index_add_ (int32 ids index as they are).
+        ones = [torch.ones(256, dtype=counts.dtype, device=counts.device)]
 
         def capture(topk_ids: Any) -> None:
             if chained is not None:  # vLLM's own routed-experts capture, if on
@@ -115,8 +121,11 @@ class ExpertLoadExtension:
                     ids = ids[end - mine : end]
                 else:
                     ids = ids[:mine]
-            flat = ids.reshape(-1).long()
-            counts[i].index_add_(0, flat, flat.new_ones(flat.shape))
+            flat = ids.reshape(-1)
+            n = flat.shape[0]
+            if n > ones[0].shape[0]:
+                ones[0] = torch.ones(n, dtype=counts.dtype, device=counts.device)
+            row.index_add_(0, flat, ones[0][:n])
 
         return capture
 

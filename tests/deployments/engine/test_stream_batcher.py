@@ -33,3 +33,21 @@ def test_steps_without_tokens_send_nothing() -> None:
 def test_negative_interval_is_an_error() -> None:
     with pytest.raises(ValueError):
         DeltaBatcher(-1)
+
+
+def test_first_text_goes_out_at_once_when_the_first_token_shows_none() -> None:
+    # The first token ends inside a multi-byte character: it decodes to no text
+    # until the next one completes it, which must not wait for the interval.
+    b = DeltaBatcher(0.05)
+    assert b.add([1], "", now=10.0) == TokenDelta((1,), "")
+    assert b.add([2], "é", now=10.005) == TokenDelta((2,), "é")
+    assert b.add([3], "f", now=10.01) is None
+    assert b.flush(now=10.02) == TokenDelta((3,), "f")
+
+
+def test_deltas_without_text_are_batched_after_the_first() -> None:
+    # Tokens that never decode to text (no detokenizer) only ever wait.
+    b = DeltaBatcher(0.05)
+    assert b.add([1], "", now=10.0) == TokenDelta((1,), "")
+    assert b.add([2], "", now=10.01) is None
+    assert b.add([3], "", now=10.05) == TokenDelta((2, 3), "")
