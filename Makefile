@@ -87,7 +87,7 @@ bench-qos: model
 # depths against their limits, realtime TTFT, retry hints (~3 min; writes
 # tests/perf/results/overload.{json,md}).
 bench-overload: model
-	$(BIN)/python -m tests.perf.overload
+	$(BIN)/python -m tests.perf.overload --server-json '{"haproxy": true}'
 
 # A stream handed off by a scale-down: the resumed request's TTFT with the page
 # store and without it (~4 min; writes tests/perf/results/resume.{json,md}).

