@@ -30,6 +30,7 @@ import ray
 from cluster.actors import NAMESPACE, singleton_options
 from cluster.config import KVStoreConfig
 from cluster.loops import every
+from kvstore.arena import unlink_orphaned
 from kvstore.block_hash import BlockHash
 from kvstore.directory import Directory, Entry, NodeId
 from kvstore.node_store import Changes, HotKey, NodeStore
@@ -50,9 +51,12 @@ def socket_path(app: str, node_id: NodeId) -> str:
     return f"/tmp/moe-cluster-kv-{app}-{node_id[:16]}.sock"
 
 
+ARENA_PREFIX = "moe-kv-"  # every store's arena, whatever its app and node
+
+
 def arena_prefix(app: str, node_id: NodeId) -> str:
     """Shared-memory name of the app's arenas on a node, up to the incarnation."""
-    return f"moe-kv-{hashlib.sha1(app.encode()).hexdigest()[:8]}-{node_id[:12]}"
+    return f"{ARENA_PREFIX}{hashlib.sha1(app.encode()).hexdigest()[:8]}-{node_id[:12]}"
 
 
 def _unlink_stale_arenas(prefix: str) -> None:
@@ -104,6 +108,8 @@ class NodeStoreActor:
         self.incarnation = uuid.uuid4().hex
         prefix = arena_prefix(app, node_id)
         _unlink_stale_arenas(prefix)
+        for orphan in unlink_orphaned(ARENA_PREFIX):
+            logger.warning("removed an arena no process maps: %s", orphan)
         self.store = NodeStore(
             f"{prefix}-{self.incarnation[:8]}", config.capacity_bytes
         )

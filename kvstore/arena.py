@@ -10,7 +10,9 @@ engine's own cache. Each page is checksummed (xxh3) when written and checked whe
 
 from __future__ import annotations
 
+import os
 from multiprocessing import resource_tracker, shared_memory
+from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
@@ -96,3 +98,61 @@ def checksum(page: Bytes) -> int:
     """xxh3 of a page's bytes, read in place."""
     # xxh3: ~10x zlib.crc32 here, so checking a page costs less than copying it.
     return xxhash.xxh3_64_intdigest(page.data)  # the array's own buffer: no copy
+
+
+SHM_DIR = Path("/dev/shm")
+
+
+def segments_in_use(prefix: str, proc: Path = Path("/proc")) -> set[str]:
+    """Names of the shared-memory segments starting with ``prefix`` that some
+    process maps or holds open (``/proc/*/maps`` and ``/proc/*/fd``)."""
+    marker = f"{SHM_DIR}/{prefix}"
+    used: set[str] = set()
+    for pid in proc.iterdir():
+        if not pid.name.isdigit():
+            continue
+        try:
+            for line in (pid / "maps").read_text().splitlines():
+                at = line.find(marker)
+                if at >= 0:
+                    used.add(line[at + len(str(SHM_DIR)) + 1 :].split(" ")[0])
+            for fd in (pid / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith(marker):
+                    used.add(target[len(str(SHM_DIR)) + 1 :].split(" ")[0])
+        except OSError:  # gone, or not ours to read
+            continue
+    return used
+
+
+def unlink_orphaned(prefix: str) -> list[str]:
+    """Removes this user's segments starting with ``prefix`` that no process maps
+    or holds open; returns their names.
+
+    A store that is killed (not shut down), or a whole Ray node stopped with
+    ``ray stop --force``, leaves its arena in ``/dev/shm``: memory the kernel
+    never gives back. Its successor on the same Ray node removes it by name, but
+    a node that comes back under a new id, on the same machine, has another
+    name. A segment nobody maps or holds open is nobody's: no process can reach
+    its pages, and one that attaches later would look it up by a live store's
+    name. Only the current user's segments are considered (``/dev/shm`` lets no
+    one else remove them)."""
+    if not SHM_DIR.is_dir():
+        return []
+    candidates = [p for p in SHM_DIR.glob(f"{prefix}*") if _owned(p)]
+    if not candidates:
+        return []
+    used = segments_in_use(prefix)
+    removed = []
+    for path in candidates:
+        if path.name not in used:
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed
+
+
+def _owned(path: Path) -> bool:
+    try:
+        return path.stat().st_uid == os.geteuid()
+    except OSError:
+        return False

@@ -1,10 +1,14 @@
 import multiprocessing as mp
+import subprocess
+import sys
 import uuid
+from multiprocessing import resource_tracker, shared_memory
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from kvstore.arena import Arena, CorruptPage
+from kvstore.arena import Arena, CorruptPage, unlink_orphaned
 
 PAGES, PAGE_BYTES = 4, 4096
 
@@ -68,3 +72,40 @@ def test_typed_cache_blocks_round_trip_as_bytes() -> None:
         assert np.array_equal(back, block)
     finally:
         arena.close()
+
+
+def _leaked_segment(name: str) -> None:
+    """A segment left behind as by a killed store: created, nobody maps it."""
+    shm = shared_memory.SharedMemory(name=name, create=True, size=4096)
+    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    shm.close()
+
+
+def test_orphaned_arenas_are_removed_and_mapped_ones_kept() -> None:
+    prefix = f"moe-kv-test{uuid.uuid4().hex[:8]}-"
+    live = Arena.create(prefix + "live", 2, 4096)
+    _leaked_segment(prefix + "dead")
+    _leaked_segment(prefix + "held")
+    # Another process maps the third one, as an engine maps its store's arena.
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from kvstore.arena import Arena; "
+            f"a = Arena.attach({prefix + 'held'!r}, 1, 4096); "
+            "print('mapped', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "mapped\n"
+        assert unlink_orphaned(prefix) == [prefix + "dead"]
+        left = sorted(p.name for p in Path("/dev/shm").glob(prefix + "*"))
+        assert left == [prefix + "held", prefix + "live"]
+    finally:
+        holder.kill()
+        holder.wait()
+        live.close()
+    assert unlink_orphaned(prefix) == [prefix + "held"]
+    assert not list(Path("/dev/shm").glob(prefix + "*"))
