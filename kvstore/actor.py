@@ -21,7 +21,6 @@ import logging
 import time
 import uuid
 from collections.abc import Coroutine, Sequence
-from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -30,7 +29,7 @@ import ray
 from cluster.actors import NAMESPACE, singleton_options
 from cluster.config import KVStoreConfig
 from cluster.loops import every
-from kvstore.arena import unlink_orphaned
+from kvstore.arena import SHM_DIR, unlink_orphaned
 from kvstore.block_hash import BlockHash
 from kvstore.directory import Directory, Entry, NodeId
 from kvstore.node_store import Changes, HotKey, NodeStore
@@ -64,10 +63,9 @@ def _unlink_stale_arenas(prefix: str) -> None:
     was killed (not shut down) leaves its segment behind, holding its memory;
     one store runs per app and node, so any such segment is its predecessor's.
     Engines still mapping one keep their mapping until they let go of it."""
-    shm = Path("/dev/shm")
-    if not shm.is_dir():
+    if not SHM_DIR.is_dir():
         return
-    for stale in shm.glob(f"{prefix}-*"):
+    for stale in SHM_DIR.glob(f"{prefix}-*"):
         logger.warning("removing the arena of a store that died: %s", stale.name)
         stale.unlink(missing_ok=True)
 

@@ -107,6 +107,7 @@ def segments_in_use(prefix: str, proc: Path = Path("/proc")) -> set[str]:
     """Names of the shared-memory segments starting with ``prefix`` that some
     process maps or holds open (``/proc/*/maps`` and ``/proc/*/fd``)."""
     marker = f"{SHM_DIR}/{prefix}"
+    name_at = len(str(SHM_DIR)) + 1  # past "/dev/shm/"
     used: set[str] = set()
     for pid in proc.iterdir():
         if not pid.name.isdigit():
@@ -115,11 +116,11 @@ def segments_in_use(prefix: str, proc: Path = Path("/proc")) -> set[str]:
             for line in (pid / "maps").read_text().splitlines():
                 at = line.find(marker)
                 if at >= 0:
-                    used.add(line[at + len(str(SHM_DIR)) + 1 :].split(" ")[0])
+                    used.add(line[at + name_at :].split(" ")[0])
             for fd in (pid / "fd").iterdir():
                 target = os.readlink(fd)
                 if target.startswith(marker):
-                    used.add(target[len(str(SHM_DIR)) + 1 :].split(" ")[0])
+                    used.add(target[name_at:].split(" ")[0])
         except OSError:  # gone, or not ours to read
             continue
     return used

@@ -104,9 +104,10 @@ class ExpertLoadExtension:
         # Ones to add, sliced to each step's token count (a view, not a new
         # tensor), grown when a step has more: the hook is on the forward pass's
         # path, so it costs one index_add_ (int32 ids index as they are).
-        ones = [torch.ones(256, dtype=counts.dtype, device=counts.device)]
+        ones = torch.ones(256, dtype=counts.dtype, device=counts.device)
 
         def capture(topk_ids: Any) -> None:
+            nonlocal ones
             if chained is not None:  # vLLM's own routed-experts capture, if on
                 chained(topk_ids)
             ctx = get_forward_context()
@@ -123,9 +124,9 @@ class ExpertLoadExtension:
                     ids = ids[:mine]
             flat = ids.reshape(-1)
             n = flat.shape[0]
-            if n > ones[0].shape[0]:
-                ones[0] = torch.ones(n, dtype=counts.dtype, device=counts.device)
-            row.index_add_(0, flat, ones[0][:n])
+            if n > ones.shape[0]:
+                ones = torch.ones(n, dtype=counts.dtype, device=counts.device)
+            row.index_add_(0, flat, ones[:n])
 
         return capture
 

@@ -288,10 +288,10 @@ def main() -> None:
         print(f"capacity {capacity:.2f} req/s", flush=True)
         sampler = Sampler()
         before = sampler.sample()
-        offered = _workload(args.factor * capacity, seed=12)
         started = time.monotonic()
         with sampler:
             if args.one_client:
+                offered = _workload(args.factor * capacity, seed=12)
                 summary, backend, one = asyncio.run(_open_loop(offered, args.duration))
                 refused, without_hint = backend.refused, backend.without_hint
                 lags = {"load generator": one}
