@@ -1,7 +1,7 @@
 """The connector's worker side (vLLM's model-runner process), with the arena mapped.
 
 ``start_load`` copies each page into the request's blocks before the forward
-pass, checking its checksum on the way (``page_layer.load_page``); a page that
+pass, checking its checksum on the way (``page_layer.PageLoader``); a page that
 fails is dropped from the store and its blocks (and every later one of the
 request) are reported to vLLM, which recomputes them. ``save`` copies the blocks
 completed this step into reserved pages; a background thread checksums and
@@ -23,7 +23,7 @@ import torch
 from cluster import tracing
 from kvstore.arena import Arena, checksum
 from kvstore.connector_scheduler import Loads, PageSave
-from kvstore.page_layer import PageLayer, load_page
+from kvstore.page_layer import PageLayer, PageLoader
 from kvstore.rpc import StoreClient, StoreError, Written
 
 logger = logging.getLogger("moe_cluster.kvstore")
@@ -76,6 +76,7 @@ class StoreWorker:
         self._client, self._num_blocks, self._warn = client, num_blocks, warn
         self._model, self._block_size = model, block_size  # named in the layout
         self._layers: list[PageLayer] = []
+        self._loader: PageLoader | None = None
         self._arena: Arena | None = None
         self._registered: torch.Tensor | None = None  # the arena, page-locked (CUDA)
         self._page_bytes, self._layout = 0, ""
@@ -101,6 +102,7 @@ class StoreWorker:
             offset += layer.nbytes
         first = next(iter(kv_caches.values()))
         self._page_bytes = offset
+        self._loader = PageLoader(self._layers, offset)
         # Engines share a store only with pages of the same layout.
         self._layout = (
             f"{self._model}|{first.dtype}|block {self._block_size}|"
@@ -197,16 +199,12 @@ class StoreWorker:
             # The store restarted between lookup and load: recompute.
             self._load_errors.update(p.block_id for p in pages)
             return 0, 0
-        assert self._arena is not None
+        assert self._arena is not None and self._loader is not None
         loaded = nbytes = 0
         for i, p in enumerate(pages):
             page = self._arena.page(p.slot)
-            if not load_page(
-                self._layers,
-                page,
-                p.block_id,
-                p.checksum,
-                non_blocking=self._stream is not None,
+            if not self._loader.load(
+                page, p.block_id, p.checksum, non_blocking=self._stream is not None
             ):
                 # Never serve it: this block and the rest of the prefix are
                 # recomputed by vLLM.
@@ -271,7 +269,7 @@ class StoreWorker:
             self._commits.put(None)
             self._committer.join(timeout=5)
         self._unregister_arena()
-        self._layers = []
+        self._layers, self._loader = [], None
         for arena in [*self._retired, *([self._arena] if self._arena else [])]:
             arena.close()
         self._arena, self._retired = None, []

@@ -34,6 +34,17 @@ class PageLayer:
         # per-call overhead (2-8x the bandwidth here); on CUDA the copy is a DMA
         # from pinned memory, issued by torch.
         self._host = None if cache.is_cuda else cache.view(torch.uint8).numpy()
+        # Blocks that are whole rows of the cache (blocks first, contiguous, as
+        # vLLM's MLA caches are): one row each in a flat view, the cheapest to
+        # index.
+        self._rows: npt.NDArray[np.uint8] | None = None
+        if (
+            self._host is not None
+            and block_dim == 0
+            and cache.is_contiguous()
+            and cache.shape[0] * self.nbytes == self._host.nbytes
+        ):
+            self._rows = self._host.reshape(cache.shape[0], self.nbytes)
 
     @classmethod
     def of_vllm_cache(
@@ -49,6 +60,12 @@ class PageLayer:
             )
         return cls(name, group_kernel_blocks(cache, num_blocks), 0, offset)
 
+    @property
+    def rows(self) -> Bytes | None:
+        """The host cache as one row of bytes per block, where its blocks are
+        whole rows; else None."""
+        return self._rows
+
     def block(self, block_id: int) -> torch.Tensor:
         return self.cache.select(self.block_dim, block_id)
 
@@ -62,7 +79,9 @@ class PageLayer:
     def load(self, page: Bytes, block_id: int, non_blocking: bool = False) -> None:
         """Copies this layer's part of ``page`` (an arena row) into the block."""
         part = page[self.offset : self.offset + self.nbytes]
-        if self._host is not None:
+        if self._rows is not None:
+            self._rows[block_id] = part
+        elif self._host is not None:
             dst = self._host_block(block_id)
             np.copyto(dst, part.reshape(dst.shape))
         else:
@@ -73,7 +92,9 @@ class PageLayer:
     def save(self, page: Bytes, block_id: int, non_blocking: bool = False) -> None:
         """Copies the block into this layer's part of ``page``."""
         part = page[self.offset : self.offset + self.nbytes]
-        if self._host is not None:
+        if self._rows is not None:
+            part[:] = self._rows[block_id]
+        elif self._host is not None:
             src = self._host_block(block_id)
             np.copyto(part.reshape(src.shape), src)
         else:
@@ -82,42 +103,59 @@ class PageLayer:
             dst.copy_(blk, non_blocking=non_blocking)
 
 
-def load_page(
-    layers: Sequence[PageLayer],
-    page: Bytes,
-    block_id: int,
-    expected: int,
-    non_blocking: bool = False,
-) -> bool:
-    """Copies every layer's part of ``page`` into block ``block_id`` if the page's
-    bytes checksum to ``expected``; returns whether they did.
+class PageLoader:
+    """Loads whole pages (``page_bytes`` each) into the same layers' blocks: the
+    engine's layers, set once, so what each load needs is worked out once."""
 
-    Host caches: each layer's part is checksummed right after it is copied, while
-    it is still in the CPU's cache, so the page is read from memory once (checking
-    the whole page before copying it read it twice). The parts cover the page in
-    order, so their running xxh3 is the page's. A page that fails has had its
-    blocks written: the caller reports them to vLLM, which recomputes them. Device
-    caches: the page is checked in place, then copied by DMA.
-    """
-    if not layers or layers[0].cache.is_cuda or not _covers(layers, page.nbytes):
-        if checksum(page) != expected:
-            return False
-        for layer in layers:
-            layer.load(page, block_id, non_blocking=non_blocking)
-        return True
-    running = xxhash.xxh3_64()
-    for layer in layers:
-        part = page[layer.offset : layer.offset + layer.nbytes]
-        layer.load(page, block_id)
-        running.update(part.data)
-    return bool(running.intdigest() == expected)
+    def __init__(self, layers: Sequence[PageLayer], page_bytes: int) -> None:
+        self.layers, self.page_bytes = tuple(layers), page_bytes
+        # Host caches whose parts tile the page in order: each part is checked
+        # right after it is copied (below); anything else is checked first.
+        self._tiled = bool(self.layers) and not self.layers[0].cache.is_cuda
+        offset = 0
+        for layer in self.layers:
+            self._tiled &= layer.offset == offset
+            offset += layer.nbytes
+        self._tiled &= offset == page_bytes
+        self._parts = [(x, x.offset, x.offset + x.nbytes) for x in self.layers]
+        # Where every layer's blocks are rows of a flat view, the copies are
+        # plain row assignments (no call per layer).
+        self._rows: list[tuple[Bytes, int, int]] | None = []
+        for x in self.layers:
+            if x.rows is None:
+                self._rows = None
+                break
+            self._rows.append((x.rows, x.offset, x.offset + x.nbytes))
 
+    def load(
+        self, page: Bytes, block_id: int, expected: int, non_blocking: bool = False
+    ) -> bool:
+        """Copies every layer's part of ``page`` into block ``block_id`` if the
+        page's bytes checksum to ``expected``; returns whether they did.
 
-def _covers(layers: Sequence[PageLayer], nbytes: int) -> bool:
-    """Whether the layers' parts tile ``nbytes`` in order, with no gap."""
-    offset = 0
-    for layer in layers:
-        if layer.offset != offset:
-            return False
-        offset += layer.nbytes
-    return offset == nbytes
+        Host caches: each layer's part is checksummed right after it is copied,
+        while it is still in the CPU's cache, so the page is read from memory
+        once (checking the whole page before copying it read it twice). The
+        parts cover the page in order, so their running xxh3 is the page's. A
+        page that fails has had its blocks written: the caller reports them to
+        vLLM, which recomputes them. Device caches: the page is checked in
+        place, then copied by DMA."""
+        if page.nbytes != self.page_bytes:
+            raise ValueError(f"a page is {self.page_bytes} bytes, got {page.nbytes}")
+        if not self._tiled:
+            if checksum(page) != expected:
+                return False
+            for layer in self.layers:
+                layer.load(page, block_id, non_blocking=non_blocking)
+            return True
+        data = page.data
+        running = xxhash.xxh3_64()
+        if self._rows is not None:
+            for rows, start, end in self._rows:
+                rows[block_id] = page[start:end]
+                running.update(data[start:end])
+        else:
+            for layer, start, end in self._parts:
+                layer.load(page, block_id)
+                running.update(data[start:end])
+        return bool(running.intdigest() == expected)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvstore.arena import checksum
-from kvstore.page_layer import PageLayer, load_page
+from kvstore.page_layer import PageLayer, PageLoader
 
 
 @pytest.mark.parametrize(
@@ -93,7 +93,7 @@ def _page_of(layers: list[PageLayer], block_id: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_load_page_checks_the_page_on_the_way_and_loads_every_layer(
+def test_a_loader_checks_the_page_on_the_way_and_loads_every_layer(
     dtype: torch.dtype,
 ) -> None:
     caches = [torch.randn(6, 16, 576).to(dtype) for _ in range(3)]
@@ -104,15 +104,16 @@ def test_load_page_checks_the_page_on_the_way_and_loads_every_layer(
     page = _page_of(layers, 1)
     expected = checksum(page)  # the whole page's xxh3, as the store keeps it
 
-    assert load_page(layers, page, 4, expected)
+    loader = PageLoader(layers, page.nbytes)
+    assert loader.load(page, 4, expected)
     for cache in caches:
         assert torch.equal(cache[4].view(torch.uint8), cache[1].view(torch.uint8))
 
     page[offset - 1] ^= 0x40  # one bit of the last layer's part
-    assert not load_page(layers, page, 5, expected)
+    assert not loader.load(page, 5, expected)
 
 
-def test_load_page_checks_layers_that_do_not_tile_the_page_before_copying() -> None:
+def test_a_loader_checks_layers_that_do_not_tile_the_page_before_copying() -> None:
     # A gap between the parts: the page is checked whole, and nothing is copied
     # from a page that fails.
     caches = [torch.randn(4, 8, 64) for _ in range(2)]
@@ -122,10 +123,11 @@ def test_load_page_checks_layers_that_do_not_tile_the_page_before_copying() -> N
     for layer in layers:
         layer.save(page, 0)
     expected = checksum(page)
-    assert load_page(layers, page, 2, expected)
+    loader = PageLoader(layers, page.nbytes)
+    assert loader.load(page, 2, expected)
     assert torch.equal(caches[1][2], caches[1][0])
 
     before = [c.clone() for c in caches]
     page[first.nbytes + 3] ^= 1  # in the gap: still part of the page's bytes
-    assert not load_page(layers, page, 3, expected)
+    assert not loader.load(page, 3, expected)
     assert all(torch.equal(c, b) for c, b in zip(caches, before, strict=True))

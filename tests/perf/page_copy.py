@@ -8,7 +8,7 @@ DeepSeek-V3 (64 tokens x 61 layers of bf16: 4.3 MiB). For each: a plain
 ``np.copyto`` between two private buffers (memcpy), the arena copy alone (shared
 memory -> private buffer), the arena load as a cross-node export does it (copy +
 xxh3 of what arrived), and the connector's own load into the layers' paged caches
-(``load_page``: checksummed on the way), with its ratio to memcpy.
+(``PageLoader.load``: checksummed on the way), with its ratio to memcpy.
 """
 
 from __future__ import annotations
@@ -72,13 +72,13 @@ def measure(page_bytes: int) -> dict[str, float]:
 def measure_connector(layers: int, tokens: int, dtype: str) -> dict[str, float]:
     """GB/s of the connector's own load on CPU, against a memcpy of the same arena
     pages into one private buffer, alternated three times (medians): the copies
-    alone (``PageLayer.load`` of every layer), and ``load_page`` as the
+    alone (``PageLayer.load`` of every layer), and ``PageLoader.load`` as the
     connector's ``start_load`` calls it (the copies, checking each page's xxh3 on
     the way). Destinations are blocks scattered at random in each layer's paged
     cache."""
     import torch
 
-    from kvstore.page_layer import PageLayer, load_page
+    from kvstore.page_layer import PageLayer, PageLoader
 
     dt = getattr(torch, dtype)
     block_bytes = tokens * 576 * dt.itemsize
@@ -113,9 +113,11 @@ def measure_connector(layers: int, tokens: int, dtype: str) -> dict[str, float]:
                 for layer in cache_layers:
                     layer.load(page, blocks[i])
 
+        loader = PageLoader(cache_layers, page_bytes)
+
         def load() -> None:
             for i in range(pages):
-                assert load_page(cache_layers, arena.page(i), blocks[i], crcs[i])
+                assert loader.load(arena.page(i), blocks[i], crcs[i])
 
         runs: dict[str, list[float]] = {"memcpy": [], "copies": [], "load_page": []}
         for _ in range(4):  # the first round warms up
