@@ -594,6 +594,12 @@ class TLSConfig(_Strict):
         )
 
 
+# Requests one ingress replica takes at a time (Serve's max_ongoing_requests):
+# it only parses and relays, and a request waits in the router's class queues,
+# not in front of the ingress.
+INGRESS_MAX_ONGOING_REQUESTS = 4096
+
+
 class ServerConfig(_Strict):
     host: str = Field("127.0.0.1", description="Address the HTTP proxy binds.")
     http_port: int = Field(8000, gt=0, lt=65536, description="OpenAI HTTP port.")
@@ -641,7 +647,10 @@ class ServerConfig(_Strict):
         "the environment of every Ray node before it starts: `moe-cluster serve` "
         "does so for the cluster it starts, the KubeRay manifests for their pods. "
         "Serve's proxy spans are then absent (the ingress's spans parent on the "
-        "client's traceparent). Not with tls.",
+        "client's traceparent). Not with tls. HAProxy's HTTP/2 stream limit per "
+        "connection (100 by default, on each side) is raised to what an ingress "
+        "replica takes: at 100, a client's realtime request waited behind its "
+        "own queued background streams, in HAProxy, where no QoS class applies.",
     )
 
     @model_validator(mode="after")
@@ -655,7 +664,17 @@ class ServerConfig(_Strict):
 
     def serve_env(self) -> dict[str, str]:
         """Ray Serve's environment for this ingress (every Ray node, before start)."""
-        return {"RAY_SERVE_ENABLE_HA_PROXY": "1"} if self.haproxy else {}
+        if not self.haproxy:
+            return {}
+        # HTTP/2 streams HAProxy lets one client connection (fe), and one
+        # connection to an ingress replica (be), hold open: as many as an
+        # ingress replica takes, so requests wait only in the router's queues.
+        streams = str(INGRESS_MAX_ONGOING_REQUESTS)
+        return {
+            "RAY_SERVE_ENABLE_HA_PROXY": "1",
+            "RAY_SERVE_HAPROXY_H2_FE_MAX_CONCURRENT_STREAMS": streams,
+            "RAY_SERVE_HAPROXY_H2_BE_MAX_CONCURRENT_STREAMS": streams,
+        }
 
 
 class WarmupPrompt(_Strict):

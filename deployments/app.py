@@ -10,7 +10,7 @@ from ray import serve
 from ray.serve.config import HTTPOptions, RequestRouterConfig, gRPCOptions
 from ray.serve.deployment import Application
 
-from cluster.config import ClusterConfig
+from cluster.config import INGRESS_MAX_ONGOING_REQUESTS, ClusterConfig
 from cluster.env import read_env
 from cluster.tiny_model import write_tiny_model
 from deployments.engine.args import engine_env
@@ -71,7 +71,7 @@ def ingress_options(config: ClusterConfig) -> dict[str, Any]:
     if config.server.ingress_on_main_loop:
         actor["runtime_env"] = {"env_vars": {USER_CODE_THREAD: "0"}}
     return {
-        "max_ongoing_requests": 4096,
+        "max_ongoing_requests": INGRESS_MAX_ONGOING_REQUESTS,
         "health_check_period_s": INGRESS_HEALTH_CHECK_S,
         "ray_actor_options": actor,
         # The ingress holds the client streams: stopped, it waits for them as

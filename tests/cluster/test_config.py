@@ -1,13 +1,17 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
-from cluster.config import ClusterConfig, load_config
+from cluster.config import INGRESS_MAX_ONGOING_REQUESTS, ClusterConfig, load_config
 from cluster.tiny_model import write_tiny_model
+from deployments.app import ingress_options
 from deployments.cli import DEFAULT_CONFIG
 
 
@@ -171,10 +175,32 @@ def test_a_per_tensor_fp8_checkpoint_is_refused_before_deploying(
 def test_haproxy_is_serves_environment_and_refuses_tls(tmp_path: Path) -> None:
     assert ClusterConfig().server.serve_env() == {}
     on = ClusterConfig.model_validate({"server": {"haproxy": True}})
-    assert on.server.serve_env() == {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
+    assert on.server.serve_env()["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
     cert.write_text("x")
     key.write_text("x")
     tls = {"certfile": str(cert), "keyfile": str(key)}
     with pytest.raises(ValidationError, match=r"server\.haproxy serves plain HTTP"):
         ClusterConfig.model_validate({"server": {"haproxy": True, "tls": tls}})
+
+
+def test_haproxy_lets_a_connection_hold_as_many_streams_as_an_ingress_takes() -> None:
+    # HAProxy's default (100 HTTP/2 streams per connection) held a client's
+    # realtime request behind its own queued background streams, outside the
+    # router. Ray Serve must read the limits under the names given.
+    config = ClusterConfig.model_validate({"server": {"haproxy": True}})
+    env = config.server.serve_env()
+    code = (
+        "from ray.serve._private import constants as c; "
+        "print(c.RAY_SERVE_HAPROXY_H2_FE_MAX_CONCURRENT_STREAMS, "
+        "c.RAY_SERVE_HAPROXY_H2_BE_MAX_CONCURRENT_STREAMS)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert out == [str(INGRESS_MAX_ONGOING_REQUESTS)] * 2
+    assert ingress_options(config)["max_ongoing_requests"] == int(out[0])
