@@ -77,10 +77,11 @@ bench-peers: install
 bench-router-admission: model
 	$(BIN)/python -m tests.perf.router_admission
 
-# Realtime TTFT alone / under a 2x background flood, router on and off (~9 min);
+# Realtime TTFT and TPOT alone / under a 2x background flood: router, router with
+# the batch guard, router off; through HAProxy (~14 min);
 # then the router's compute per decision per policy.
 bench-qos: model
-	$(BIN)/python -m tests.perf.qos_flood
+	$(BIN)/python -m tests.perf.qos_flood --server-json '{"haproxy": true}'
 	$(BIN)/python -m tests.perf.router_decisions
 
 # 3x the cluster's capacity for 60 s: ingress, router and proxy memory, queue

@@ -1,7 +1,8 @@
 """Realtime TTFT alone and under a background flood, with and without the router.
 
     .venv/bin/python -m tests.perf.qos_flood [--capacity REQ_S] [--duration 30]
-        [--modes router,guard,no-router]    # QOS_FLOOD_BATCH_MATES=2: guard's K
+        [--modes router,guard,no-router]    # QOS_FLOOD_BATCH_MATES=0: guard's K
+        [--server-json '{"haproxy": true}']
 
 Two moe-cluster engine replicas (one core each) on the tiny model, driven over gRPC
 by ``moe-cluster bench``'s load generator. For each mode (the DeepSeekRouter's QoS
@@ -9,7 +10,7 @@ admission; then ``router.enabled: false``, Serve's own first-come routing):
 
 - realtime alone: 2 req/s (Poisson), 64 prompt / 32 output tokens;
 - the same realtime stream under background at 2x capacity (128 / 64 tokens);
-- (router mode) that background alone, for the throughput realtime costs it.
+- (router and guard modes) that background alone, for the throughput realtime costs it.
 
 Modes: the router; the router with ``engine.realtime_batch_mates`` (background
 pauses in an engine while realtime is in it); Serve's own routing.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import time
@@ -42,7 +44,7 @@ REALTIME = ClassSpec(
 BACKGROUND = ClassSpec(
     "background", input_len=LengthRange(128, 128), output_len=LengthRange(64, 64)
 )
-GUARD_MATES = int(os.environ.get("QOS_FLOOD_BATCH_MATES", "2"))  # guard mode's
+GUARD_MATES = int(os.environ.get("QOS_FLOOD_BATCH_MATES", "0"))  # guard mode's
 MODES = (
     Peer("router", "router QoS", _module("moe-cluster"), ()),
     Peer(
@@ -126,6 +128,17 @@ def _router_latency() -> dict[str, Any]:
         ray.shutdown()
 
 
+def _with_server(mode: Peer, server_json: str) -> Peer:
+    """``mode`` with the moe-cluster server's settings (``--server-json``)."""
+
+    def argv(replicas: int) -> list[str]:
+        return [*mode.command(replicas), "--server-json", server_json]
+
+    return dataclasses.replace(
+        mode, label=f"{mode.label}, server {server_json}", command=argv
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--capacity", type=float, default=None, help="req/s; skip measuring")
@@ -133,12 +146,19 @@ def main() -> None:
     p.add_argument(
         "--modes", default="router,guard,no-router", help="comma-separated subset"
     )
+    p.add_argument(
+        "--server-json",
+        default=None,
+        help="server settings (JSON) for every mode, e.g. '{\"haproxy\": true}'",
+    )
     args = p.parse_args()
     logs = RESULTS / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     capacity = args.capacity
     out: dict[str, Any] = {}
     for mode in [m for m in MODES if m.key in args.modes.split(",")]:
+        if args.server_json is not None:
+            mode = _with_server(mode, args.server_json)
         print(f"== {mode.label}", flush=True)
         server = Server(mode, 2, logs / f"qos-{mode.key}.log")
         try:
@@ -157,7 +177,7 @@ def main() -> None:
             )
             flood = asyncio.run(_open(Workload((REALTIME, bg), seed=6), args.duration))
             out[mode.key] = {"alone": alone, "flood": flood}
-            if mode.key == "router":
+            if mode.key != "no-router":
                 out[mode.key]["background_alone"] = asyncio.run(
                     _open(Workload((bg,), seed=6), args.duration)
                 )
@@ -166,7 +186,9 @@ def main() -> None:
         finally:
             server.stop()
     out["capacity_req_s"] = capacity
-    if len(out) == len(MODES) + 1:
+    out["server"] = args.server_json or "{}"
+    out["guard_batch_mates"] = GUARD_MATES
+    if all(m.key in out for m in MODES):
         (RESULTS / "qos_flood.json").write_text(json.dumps(out, indent=1))
         (RESULTS / "qos_flood.md").write_text(table(out) + "\n")
     print(table(out))
@@ -201,6 +223,11 @@ def table(out: dict[str, Any]) -> str:
                     else "- | - | - |"
                 )
             )
+    if "server" in out:
+        rows.append(
+            f"\nServer settings: {out['server']}; guard: "
+            f"engine.realtime_batch_mates {out['guard_batch_mates']}."
+        )
     r = out.get("router", {}).get("router")
     if r is None:
         return "\n".join(rows)
