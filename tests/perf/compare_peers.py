@@ -160,10 +160,25 @@ def backend_for_peers() -> OpenAIBackend:
 
 class Server:
     """One peer's server process group, ready when /v1/models answers (and, for
-    the Ray-based peers, every replica runs)."""
+    the Ray-based peers, every replica runs).
+
+    ``own_session``: the server runs in a session of its own (each peer alike).
+    Where the kernel groups CPU time by session (``sched_autogroup_enabled``),
+    a busy server's session and the load generator's then get equal shares,
+    whatever the processes' nice values; on 2 cores the load generator's
+    threads waited, runnable, up to 2.8 s at a time under overload, and every
+    latency it measured included that. Without it (a process group of its own
+    in the caller's session) threads compete one by one, as without autogroups:
+    Ray runs its workers at nice 15, so a client stands in for one on another
+    machine."""
 
     def __init__(
-        self, peer: Peer, replicas: int, log: Path, extra: tuple[str, ...] = ()
+        self,
+        peer: Peer,
+        replicas: int,
+        log: Path,
+        extra: tuple[str, ...] = (),
+        own_session: bool = True,
     ) -> None:
         self.peer = peer
         self.log = log.open("w")
@@ -175,7 +190,8 @@ class Server:
             stdout=self.log,
             stderr=subprocess.STDOUT,
             env=env,
-            start_new_session=True,
+            start_new_session=own_session,
+            process_group=None if own_session else 0,
         )
         deadline = started + READY_TIMEOUT_S
         while time.monotonic() < deadline:

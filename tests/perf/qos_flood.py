@@ -160,7 +160,8 @@ def main() -> None:
         if args.server_json is not None:
             mode = _with_server(mode, args.server_json)
         print(f"== {mode.label}", flush=True)
-        server = Server(mode, 2, logs / f"qos-{mode.key}.log")
+        # Its clients are not starved by the server's session (see Server).
+        server = Server(mode, 2, logs / f"qos-{mode.key}.log", own_session=False)
         try:
             if capacity is None:
                 capacity = asyncio.run(_capacity())
