@@ -60,12 +60,6 @@ class PageLayer:
             )
         return cls(name, group_kernel_blocks(cache, num_blocks), 0, offset)
 
-    @property
-    def rows(self) -> Bytes | None:
-        """The host cache as one row of bytes per block, where its blocks are
-        whole rows; else None."""
-        return self._rows
-
     def block(self, block_id: int) -> torch.Tensor:
         return self.cache.select(self.block_dim, block_id)
 
@@ -118,14 +112,6 @@ class PageLoader:
             offset += layer.nbytes
         self._tiled &= offset == page_bytes
         self._parts = [(x, x.offset, x.offset + x.nbytes) for x in self.layers]
-        # Where every layer's blocks are rows of a flat view, the copies are
-        # plain row assignments (no call per layer).
-        self._rows: list[tuple[Bytes, int, int]] | None = []
-        for x in self.layers:
-            if x.rows is None:
-                self._rows = None
-                break
-            self._rows.append((x.rows, x.offset, x.offset + x.nbytes))
 
     def load(
         self, page: Bytes, block_id: int, expected: int, non_blocking: bool = False
@@ -150,12 +136,7 @@ class PageLoader:
             return True
         data = page.data
         running = xxhash.xxh3_64()
-        if self._rows is not None:
-            for rows, start, end in self._rows:
-                rows[block_id] = page[start:end]
-                running.update(data[start:end])
-        else:
-            for layer, start, end in self._parts:
-                layer.load(page, block_id)
-                running.update(data[start:end])
+        for layer, start, end in self._parts:
+            layer.load(page, block_id)
+            running.update(data[start:end])
         return bool(running.intdigest() == expected)
