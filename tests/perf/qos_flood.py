@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import os
 import time
@@ -128,17 +127,6 @@ def _router_latency() -> dict[str, Any]:
         ray.shutdown()
 
 
-def _with_server(mode: Peer, server_json: str) -> Peer:
-    """``mode`` with the moe-cluster server's settings (``--server-json``)."""
-
-    def argv(replicas: int) -> list[str]:
-        return [*mode.command(replicas), "--server-json", server_json]
-
-    return dataclasses.replace(
-        mode, label=f"{mode.label}, server {server_json}", command=argv
-    )
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--capacity", type=float, default=None, help="req/s; skip measuring")
@@ -156,12 +144,14 @@ def main() -> None:
     logs.mkdir(parents=True, exist_ok=True)
     capacity = args.capacity
     out: dict[str, Any] = {}
+    server_args: tuple[str, ...] = ()
+    if args.server_json is not None:
+        server_args = ("--server-json", args.server_json)
     for mode in [m for m in MODES if m.key in args.modes.split(",")]:
-        if args.server_json is not None:
-            mode = _with_server(mode, args.server_json)
-        print(f"== {mode.label}", flush=True)
+        print(f"== {mode.label}", " ".join(server_args), flush=True)
         # Its clients are not starved by the server's session (see Server).
-        server = Server(mode, 2, logs / f"qos-{mode.key}.log", own_session=False)
+        log = logs / f"qos-{mode.key}.log"
+        server = Server(mode, 2, log, server_args, own_session=False)
         try:
             if capacity is None:
                 capacity = asyncio.run(_capacity())
