@@ -87,6 +87,15 @@ class EngineConfig(_Strict):
         "left. Realtime decodes at close to its speed alone. None: off (vLLM "
         "batches every class together).",
     )
+    background_cpu_yield: float = Field(
+        0.0,
+        ge=0,
+        le=0.9,
+        description="CPU nodes, whose engines share the cores: while another "
+        "engine on the node holds a realtime request, an engine holding only "
+        "background requests idles this fraction of its time, and the cores go "
+        "to the realtime one. 0: off.",
+    )
     block_size: int | Literal["auto"] = Field(
         "auto",
         description="Tokens per KV block, and per page of the KV store. auto: 128 "

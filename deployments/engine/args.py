@@ -34,9 +34,11 @@ CPU_BACKENDS = (Backend.AMX_MLA.value, Backend.CPU_MLA.value)
 
 
 WORKER_EXTENSION = "deployments.engine.expert_load.ExpertLoadExtension"
-# engine.realtime_batch_mates: vLLM's scheduler with the guard, and its setting.
+# engine.realtime_batch_mates, engine.background_cpu_yield: vLLM's scheduler with
+# the guard, and its settings.
 GUARDED_SCHEDULER = "deployments.engine.scheduler.guarded_scheduler"
 BATCH_MATES_KEY = "moe_cluster_realtime_batch_mates"
+CPU_YIELD_KEY = "moe_cluster_background_cpu_yield"
 
 
 def engine_args(
@@ -64,10 +66,11 @@ def engine_args(
     backend = config.attention_backend
     guard: dict[str, Any] = {}
     if config.realtime_batch_mates is not None:
-        guard = {
-            "scheduler_cls": GUARDED_SCHEDULER,
-            "additional_config": {BATCH_MATES_KEY: config.realtime_batch_mates},
-        }
+        guard[BATCH_MATES_KEY] = config.realtime_batch_mates
+    if config.background_cpu_yield > 0:
+        guard[CPU_YIELD_KEY] = config.background_cpu_yield
+    if guard:
+        guard = {"scheduler_cls": GUARDED_SCHEDULER, "additional_config": guard}
     executor = {}
     if config.executor != "auto":
         executor["distributed_executor_backend"] = config.executor

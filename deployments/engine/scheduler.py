@@ -14,21 +14,32 @@ The engine core resolves ``scheduler_cls`` by name and calls it with the
 scheduler's own arguments, so ``guarded_scheduler`` picks, per engine, the guard
 over the class vLLM would have used (``AsyncScheduler`` when async scheduling is
 on). ``K`` comes in the engine's ``additional_config`` (``BATCH_MATES_KEY``).
+
+The guard shares a batch; on a CPU node the engines also share the cores. With
+``engine.background_cpu_yield = f``, an engine holding only background requests,
+while another engine on the node holds a realtime one (``realtime_board``),
+idles ``f`` of its time: after each step it sleeps ``f / (1 - f)`` of that step,
+and the cores go to the realtime engine. It runs on at ``1 - f`` of its pace
+and goes back to full pace within ``RealtimeBoard.fresh_s`` of the last
+realtime step. Normal requests are not held this way either.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from cluster.qos import QoS
-from deployments.engine.args import BATCH_MATES_KEY
+from deployments.engine.args import BATCH_MATES_KEY, CPU_YIELD_KEY
+from deployments.engine.realtime_board import RealtimeBoard
 
 _REALTIME = int(QoS.REALTIME)
 _BACKGROUND = int(QoS.BACKGROUND)
+MAX_STEP_S = 0.05  # longer between steps: the engine sat idle, not stepping
 
 
 class _RealtimeGuard:
@@ -39,16 +50,30 @@ class _RealtimeGuard:
     kv_holding_waiting: Any
     current_step: int
     max_num_active_reqs: int
-    _batch_mates: int
+    _batch_mates: int | None
+    _cpu_yield: float
+    _board: RealtimeBoard | None
+    _stepped_at: float | None
     guarded_steps: int
+    yielded_s: float
 
     def _init_guard(self, vllm_config: Any) -> None:
         extra = vllm_config.additional_config or {}
-        self._batch_mates = int(extra[BATCH_MATES_KEY])
+        mates = extra.get(BATCH_MATES_KEY)
+        self._batch_mates = None if mates is None else int(mates)
+        self._cpu_yield = float(extra.get(CPU_YIELD_KEY, 0.0))
+        self._board = RealtimeBoard() if self._cpu_yield > 0 else None
+        self._stepped_at = None  # when the last step began
         self.guarded_steps = 0  # steps that held background back
+        self.yielded_s = 0.0  # time idled for realtime in other engines
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        held = self._hold_background()
+        top = self._most_urgent()
+        if self._board is not None:
+            self._give_way(top)
+        held = None
+        if top == _REALTIME and self._batch_mates is not None:
+            held = self._hold_background(self._batch_mates)
         if held is None:
             return super().schedule(*args, **kwargs)  # type: ignore[misc]
         self.guarded_steps += 1
@@ -61,33 +86,58 @@ class _RealtimeGuard:
         finally:
             self.max_num_active_reqs = active
 
-    def _hold_background(self) -> int | None:
-        """Pauses, for the coming step, the running background requests past
-        the first ``K`` when a realtime request is in the engine. Returns how
-        many realtime and normal requests wait (the room the step may admit),
-        or ``None`` when there is nothing to guard."""
-        # Every engine step comes here: nothing is built while the queues are
-        # empty, and nothing is walked past the first realtime request.
-        waiting = (
-            [*self.kv_holding_waiting, *self.waiting]
-            if self.kv_holding_waiting or self.waiting
-            else []
+    def shutdown(self) -> None:
+        if self._board is not None:
+            self._board.close()
+            self._board = None
+        super().shutdown()  # type: ignore[misc]
+
+    def _waiting(self) -> list[Any]:
+        if self.kv_holding_waiting or self.waiting:
+            return [*self.kv_holding_waiting, *self.waiting]
+        return []  # every engine step comes here: nothing built while empty
+
+    def _most_urgent(self) -> int | None:
+        """The most urgent class in the engine (running or waiting), if any."""
+        return min(
+            (r.priority for r in itertools.chain(self.running, self._waiting())),
+            default=None,
         )
-        if not any(
-            r.priority == _REALTIME for r in itertools.chain(self.running, waiting)
+
+    def _give_way(self, top: int | None) -> None:
+        """Marks the board while this engine holds realtime; sleeps after a
+        step of background alone while another engine holds realtime."""
+        assert self._board is not None
+        now = time.monotonic()
+        if top == _REALTIME:
+            self._board.mark(now)
+        elif (
+            top is not None
+            and top >= _BACKGROUND
+            and self._stepped_at is not None
+            and self._board.others_hold_realtime(now)
         ):
-            return None
+            step = min(now - self._stepped_at, MAX_STEP_S)
+            pause = step * self._cpu_yield / (1 - self._cpu_yield)
+            time.sleep(pause)
+            self.yielded_s += pause
+        self._stepped_at = time.monotonic()
+
+    def _hold_background(self, mates: int) -> int:
+        """Pauses, for the coming step, the running background requests past
+        the first ``mates`` (a realtime request is in the engine). Returns how
+        many realtime and normal requests wait (the room the step may admit)."""
         # The next schedule() call is step current_step + 1: skip it.
         skip_until = self.current_step + 2
-        mates = 0
+        seen = 0
         for r in self.running:
             if r.priority >= _BACKGROUND:
-                mates += 1
-                if mates > self._batch_mates:
+                seen += 1
+                if seen > mates:
                     r.next_decode_eligible_step = max(
                         r.next_decode_eligible_step, skip_until
                     )
-        return sum(1 for r in waiting if r.priority < _BACKGROUND)
+        return sum(1 for r in self._waiting() if r.priority < _BACKGROUND)
 
 
 class GuardedScheduler(_RealtimeGuard, Scheduler):

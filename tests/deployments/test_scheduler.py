@@ -5,14 +5,19 @@ by priority while the running ones number under ``max_num_active_reqs``."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
+import numpy as np
 import pytest
 
 from cluster.qos import QoS
-from deployments.engine.args import BATCH_MATES_KEY
-from deployments.engine.scheduler import _RealtimeGuard
+from deployments.engine import realtime_board, scheduler
+from deployments.engine.args import BATCH_MATES_KEY, CPU_YIELD_KEY
+from deployments.engine.scheduler import MAX_STEP_S, _RealtimeGuard
 
 RT, NORMAL, BG = int(QoS.REALTIME), int(QoS.NORMAL), int(QoS.BACKGROUND)
 
@@ -51,9 +56,20 @@ class StandIn:
 
 
 class Guarded(_RealtimeGuard, StandIn):
-    def __init__(self, running: list[Req], waiting: list[Req], mates: int) -> None:
+    def __init__(
+        self,
+        running: list[Req],
+        waiting: list[Req],
+        mates: int | None,
+        cpu_yield: float | None = None,
+    ) -> None:
         StandIn.__init__(self, running, waiting)
-        self._init_guard(SimpleNamespace(additional_config={BATCH_MATES_KEY: mates}))
+        extra: dict[str, Any] = {}
+        if mates is not None:
+            extra[BATCH_MATES_KEY] = mates
+        if cpu_yield is not None:
+            extra[CPU_YIELD_KEY] = cpu_yield
+        self._init_guard(SimpleNamespace(additional_config=extra))
 
 
 def _bg(n: int) -> list[Req]:
@@ -124,3 +140,86 @@ def test_the_engine_core_gets_the_guard_over_the_scheduler_vllm_would_pick(
         )
         scheduler.guarded_scheduler(vllm_config=config)
     assert made == ["GuardedAsyncScheduler", "GuardedScheduler"]
+
+
+@pytest.fixture
+def board(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> np.memmap[Any, Any]:
+    """The node's board in a scratch file, and a view of it to play the other
+    engines (this process holds one slot, whichever board it opens)."""
+    path = tmp_path / "board"
+    monkeypatch.setattr(
+        scheduler, "RealtimeBoard", lambda: realtime_board.RealtimeBoard(path)
+    )
+    realtime_board.RealtimeBoard(path).close()  # creates it
+    return np.memmap(path, np.float64, "r+")
+
+
+def _steps(s: Guarded, n: int, step_s: float) -> None:
+    """``n`` engine steps of ``step_s`` each (the model's time between calls)."""
+    for _ in range(n):
+        s.schedule()
+        time.sleep(step_s)
+
+
+def test_background_alone_idles_while_another_engine_holds_realtime(
+    board: np.memmap[Any, Any],
+) -> None:
+    s = Guarded(_bg(3), [], mates=None, cpu_yield=0.5)
+    _steps(s, 3, 0.02)
+    assert s.yielded_s == 0  # nobody holds realtime
+    board[7] = time.monotonic()  # another engine's realtime step
+    _steps(s, 1, 0.02)
+    # 0.5: it idles as long as its step took (the first step after the mark
+    # sleeps for the one before it); the batch is not held.
+    assert 0.02 <= s.yielded_s <= MAX_STEP_S
+    assert s.guarded_steps == 0
+    board[7] = time.monotonic() - 1  # its realtime left a second ago
+    before = s.yielded_s
+    _steps(s, 3, 0.02)
+    assert s.yielded_s == before
+
+
+def test_idle_time_between_steps_is_not_a_step(board: np.memmap[Any, Any]) -> None:
+    s = Guarded(_bg(1), [], mates=None, cpu_yield=0.8)
+    s.schedule()
+    time.sleep(0.3)  # the engine sat waiting for work
+    board[7] = time.monotonic()
+    s.schedule()
+    assert s.yielded_s == pytest.approx(MAX_STEP_S * 0.8 / 0.2)
+
+
+@pytest.mark.parametrize(
+    "requests",
+    [
+        [Req("rt", RT), *_bg(2)],  # it holds realtime itself: it marks instead
+        [Req("n", NORMAL), *_bg(2)],  # normal requests are not held
+        [],  # nothing to run
+    ],
+    ids=["realtime", "normal", "empty"],
+)
+def test_an_engine_with_realtime_or_normal_work_does_not_idle(
+    board: np.memmap[Any, Any], requests: list[Req]
+) -> None:
+    s = Guarded(requests, [], mates=None, cpu_yield=0.9)
+    board[7] = time.monotonic() + 60
+    _steps(s, 3, 0.01)
+    assert s.yielded_s == 0
+    marked = board[s._board.slot]  # type: ignore[union-attr]
+    if requests and requests[0].priority == RT:
+        assert time.monotonic() - 1 < marked <= time.monotonic()
+    else:
+        assert marked == 0
+
+
+def test_a_waiting_realtime_request_marks_the_board(
+    board: np.memmap[Any, Any],
+) -> None:
+    s = Guarded(_bg(2), [Req("rt", RT)], mates=0, cpu_yield=0.5)
+    s.schedule()
+    assert board[s._board.slot] > 0  # type: ignore[union-attr]
+    assert s.guarded_steps == 1  # and the batch guard holds its background
+
+
+def test_without_the_cpu_yield_no_board_is_opened() -> None:
+    s = Guarded(_bg(2), [Req("rt", RT)], mates=0)
+    assert s._board is None

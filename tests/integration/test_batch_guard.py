@@ -1,8 +1,11 @@
-"""``engine.realtime_batch_mates`` on real engines: the session's engines let one
-background request decode beside a realtime one (the setting is 1). While a
-realtime stream runs on a replica with two background streams, one of those
-pauses (no tokens for about the realtime stream's length) and then goes on;
-every stream ends with the tokens of an uninterrupted greedy run."""
+"""``engine.realtime_batch_mates`` and ``engine.background_cpu_yield`` on real
+engines: the session's engines let one background request decode beside a
+realtime one (the setting is 1), and an engine with only background requests
+idles 80% of its time while the other holds a realtime one. While a realtime
+stream runs on a replica with two background streams, one of those pauses (no
+tokens for about the realtime stream's length) and then goes on, and the two on
+the other replica slow down; every stream ends with the tokens of an
+uninterrupted greedy run."""
 
 from __future__ import annotations
 
@@ -14,8 +17,8 @@ from tests.integration import streams
 from tests.integration.conftest import ENGINE, Served
 
 PROMPT = [11, 12, 13, 14, 15]
-BACKGROUND_TOKENS = 600
-REALTIME_TOKENS = 300
+BACKGROUND_TOKENS = 800
+REALTIME_TOKENS = 400
 
 
 def _run(
@@ -33,6 +36,7 @@ def _run(
         if msg.HasField("chunk"):
             out.tokens += msg.chunk.token_ids
             out.at.append(time.monotonic())
+            out.ends.append(len(out.tokens))
         elif msg.HasField("finished"):
             out.finished = msg.finished
 
@@ -41,6 +45,7 @@ def test_background_pauses_beside_a_realtime_stream_and_loses_nothing(
     served: Served,
 ) -> None:
     assert ENGINE["realtime_batch_mates"] == 1
+    assert ENGINE["background_cpu_yield"] == 0.8
     # Four background streams: least-loaded placement puts two on each replica.
     bg = {f"guard-bg-{i}": streams.Stream() for i in range(4)}
     threads = [
@@ -54,7 +59,8 @@ def test_background_pauses_beside_a_realtime_stream_and_loses_nothing(
     for t in threads:
         t.start()
     deadline = time.monotonic() + 90
-    while min(len(s.tokens) for s in bg.values()) < 20:
+    # Three chunks each (background ones come every 500 ms): their pace alone.
+    while min(len(s.at) for s in bg.values()) < 3:
         assert time.monotonic() < deadline, "the background streams never got going"
         time.sleep(0.05)
     rt = streams.Stream()
@@ -75,3 +81,21 @@ def test_background_pauses_beside_a_realtime_stream_and_loses_nothing(
     ]
     assert during, "no background stream outlived the realtime one"
     assert max(during) >= 0.5 * realtime_s, (max(during), realtime_s)
+    # Three of the four went at under half their pace while it ran: the paused
+    # one, and the two on the engine that idled for it.
+    start, end = rt.at[0], rt.at[-1]
+    assert end - start > 1.0  # room for background chunks (every 500 ms)
+    paces = [(_pace(s, s.at[0], start), _pace(s, start, end)) for s in bg.values()]
+    slowed = [p for p in paces if p[1] < 0.5 * p[0]]
+    assert len(slowed) >= 3, paces
+
+
+def _pace(s: streams.Stream, t0: float, t1: float) -> float:
+    """Tokens/s a stream decoded in [t0, t1]: between its first and last chunk
+    in there; with fewer than two chunks, what came over the whole span."""
+    inside = [i for i, t in enumerate(s.at) if t0 <= t <= t1]
+    if len(inside) < 2:
+        came = sum(s.ends[i] - (s.ends[i - 1] if i else 0) for i in inside)
+        return came / (t1 - t0)
+    first, last = inside[0], inside[-1]
+    return (s.ends[last] - s.ends[first]) / (s.at[last] - s.at[first])

@@ -101,3 +101,44 @@ def test_a_uni_executor_with_tensor_parallelism_is_refused() -> None:
         ClusterConfig.model_validate(
             {"engine": {"executor": "uni", "tensor_parallel_size": 2}}
         )
+
+
+@pytest.mark.parametrize(
+    ("engine", "extra"),
+    [
+        ({}, None),
+        ({"realtime_batch_mates": 0}, {"moe_cluster_realtime_batch_mates": 0}),
+        ({"background_cpu_yield": 0.8}, {"moe_cluster_background_cpu_yield": 0.8}),
+        (
+            {"realtime_batch_mates": 2, "background_cpu_yield": 0.5},
+            {
+                "moe_cluster_realtime_batch_mates": 2,
+                "moe_cluster_background_cpu_yield": 0.5,
+            },
+        ),
+    ],
+)
+def test_the_guards_reach_the_engines_scheduler(
+    engine: dict[str, Any], extra: dict[str, Any] | None
+) -> None:
+    from cluster.config import ClusterConfig
+    from deployments.engine.args import GUARDED_SCHEDULER, engine_args
+
+    config = ClusterConfig.model_validate({"engine": engine}).resolved(amx=False)
+    args = engine_args("/m", "m", config.engine)
+    if extra is None:  # vLLM's own scheduler, untouched
+        assert args.scheduler_cls is None or args.scheduler_cls != GUARDED_SCHEDULER
+        assert not args.additional_config
+    else:
+        assert args.scheduler_cls == GUARDED_SCHEDULER
+        assert args.additional_config == extra
+
+
+@pytest.mark.parametrize("bad", [-0.1, 0.95, 1.0])
+def test_a_cpu_yield_outside_0_to_0_9_is_refused(bad: float) -> None:
+    from pydantic import ValidationError
+
+    from cluster.config import ClusterConfig
+
+    with pytest.raises(ValidationError, match="background_cpu_yield"):
+        ClusterConfig.model_validate({"engine": {"background_cpu_yield": bad}})
