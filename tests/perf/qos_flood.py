@@ -1,7 +1,8 @@
 """Realtime TTFT alone and under a background flood, with and without the router.
 
     .venv/bin/python -m tests.perf.qos_flood [--capacity REQ_S] [--duration 30]
-        [--modes router,guard,no-router]    # QOS_FLOOD_BATCH_MATES=0: guard's K
+        [--modes router,guard,yield,no-router]  # QOS_FLOOD_BATCH_MATES=0: K
+                                                # QOS_FLOOD_CPU_YIELD=0.8
         [--server-json '{"haproxy": true}']
 
 Two moe-cluster engine replicas (one core each) on the tiny model, driven over gRPC
@@ -10,10 +11,14 @@ admission; then ``router.enabled: false``, Serve's own first-come routing):
 
 - realtime alone: 2 req/s (Poisson), 64 prompt / 32 output tokens;
 - the same realtime stream under background at 2x capacity (128 / 64 tokens);
-- (router and guard modes) that background alone, for the throughput realtime costs it.
+- (every mode but Serve routing) that background alone, for the throughput realtime
+  costs it.
 
 Modes: the router; the router with ``engine.realtime_batch_mates`` (background
-pauses in an engine while realtime is in it); Serve's own routing.
+pauses in an engine while realtime is in it); that and
+``engine.background_cpu_yield`` (an engine with only background idles while the
+other holds realtime: the two engines share the machine's cores); Serve's own
+routing.
 
 Capacity is the background shape's closed-loop request rate at 32 streams, measured
 once on the first mode. Also prints the router's own compute time per decision and
@@ -43,7 +48,8 @@ REALTIME = ClassSpec(
 BACKGROUND = ClassSpec(
     "background", input_len=LengthRange(128, 128), output_len=LengthRange(64, 64)
 )
-GUARD_MATES = int(os.environ.get("QOS_FLOOD_BATCH_MATES", "0"))  # guard mode's
+GUARD_MATES = int(os.environ.get("QOS_FLOOD_BATCH_MATES", "0"))  # guard modes'
+CPU_YIELD = float(os.environ.get("QOS_FLOOD_CPU_YIELD", "0.8"))  # yield mode's
 MODES = (
     Peer("router", "router QoS", _module("moe-cluster"), ()),
     Peer(
@@ -53,6 +59,22 @@ MODES = (
             "moe-cluster",
             "--engine-json",
             json.dumps({"realtime_batch_mates": GUARD_MATES}),
+        ),
+        (),
+    ),
+    Peer(
+        "yield",
+        f"router QoS, engine.realtime_batch_mates: {GUARD_MATES}, "
+        f"engine.background_cpu_yield: {CPU_YIELD}",
+        _module(
+            "moe-cluster",
+            "--engine-json",
+            json.dumps(
+                {
+                    "realtime_batch_mates": GUARD_MATES,
+                    "background_cpu_yield": CPU_YIELD,
+                }
+            ),
         ),
         (),
     ),
@@ -132,7 +154,9 @@ def main() -> None:
     p.add_argument("--capacity", type=float, default=None, help="req/s; skip measuring")
     p.add_argument("--duration", type=float, default=30.0)
     p.add_argument(
-        "--modes", default="router,guard,no-router", help="comma-separated subset"
+        "--modes",
+        default="router,guard,yield,no-router",
+        help="comma-separated subset",
     )
     p.add_argument(
         "--server-json",
@@ -179,6 +203,7 @@ def main() -> None:
     out["capacity_req_s"] = capacity
     out["server"] = args.server_json or "{}"
     out["guard_batch_mates"] = GUARD_MATES
+    out["cpu_yield"] = CPU_YIELD
     if all(m.key in out for m in MODES):
         (RESULTS / "qos_flood.json").write_text(json.dumps(out, indent=1))
         (RESULTS / "qos_flood.md").write_text(table(out) + "\n")
@@ -192,7 +217,7 @@ def table(out: dict[str, Any]) -> str:
         "| background tok/s |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for key in [k for k in ("router", "guard", "no-router") if k in out]:
+    for key in [k for k in ("router", "guard", "yield", "no-router") if k in out]:
         for load in ("alone", "flood", "background_alone"):
             if load not in out[key]:
                 continue
@@ -217,8 +242,22 @@ def table(out: dict[str, Any]) -> str:
     if "server" in out:
         rows.append(
             f"\nServer settings: {out['server']}; guard: "
-            f"engine.realtime_batch_mates {out['guard_batch_mates']}."
+            f"engine.realtime_batch_mates {out['guard_batch_mates']}; yield: the "
+            f"guard and engine.background_cpu_yield {out.get('cpu_yield', '-')}."
         )
+    ratios = []
+    for key in [k for k in ("router", "guard", "yield") if k in out]:
+        alone, flood = out[key]["alone"]["realtime"], out[key]["flood"]["realtime"]
+        bg_alone = out[key]["background_alone"]["background"]["output_tok_s"]
+        bg = out[key]["flood"]["background"]["output_tok_s"]
+        ratios.append(
+            f"{key}: realtime TPOT p50 "
+            f"{flood['tpot_ms']['p50'] / alone['tpot_ms']['p50']:.2f}x alone, TTFT "
+            f"p99 {flood['ttft_ms']['p99'] / alone['ttft_ms']['p99']:.2f}x alone; "
+            f"background {bg / bg_alone:.0%} of its throughput alone"
+        )
+    if ratios:
+        rows.append("\nUnder the flood: " + "; ".join(ratios) + ".")
     r = out.get("router", {}).get("router")
     if r is None:
         return "\n".join(rows)
