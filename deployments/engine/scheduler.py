@@ -21,7 +21,8 @@ while another engine on the node holds a realtime one (``realtime_board``),
 idles ``f`` of its time: after each step it sleeps ``f / (1 - f)`` of that step,
 and the cores go to the realtime engine. It runs on at ``1 - f`` of its pace
 and goes back to full pace within ``RealtimeBoard.fresh_s`` of the last
-realtime step. Normal requests are not held this way either.
+realtime step. Normal requests are not held this way either, and one sent to an
+idling engine wakes it (its frontend marks the board first).
 """
 
 from __future__ import annotations
@@ -119,8 +120,9 @@ class _RealtimeGuard:
         ):
             step = min(now - self._stepped_at, MAX_STEP_S)
             pause = step * self._cpu_yield / (1 - self._cpu_yield)
-            time.sleep(pause)
-            self.yielded_s += pause
+            # Cut short when the frontend sends a request that is not
+            # background (it wakes this engine first): it is read after this.
+            self.yielded_s += self._board.idle(pause, since=self._stepped_at)
         self._stepped_at = time.monotonic()
 
     def _hold_background(self, mates: int) -> int:

@@ -28,6 +28,7 @@ from deployments.engine.args import (
     sampling_params,
 )
 from deployments.engine.expert_load import ExpertLoadWindow
+from deployments.engine.realtime_board import RealtimeBoard
 from deployments.engine.stream_batcher import DeltaBatcher
 from deployments.ep import group as ep_group
 from deployments.ep.group import GroupRank
@@ -88,6 +89,10 @@ class VLLMEngine:
         # vLLM takes trace headers only with its otlp_traces_endpoint set.
         self._trace_headers = tracing.traces_endpoint() is not None
         self._tracer = tracing.tracer()
+        # engine.background_cpu_yield: the node's board, to wake this replica's
+        # engine (idling for realtime elsewhere) before a request it must not
+        # keep waiting.
+        self.board: RealtimeBoard | None = None
 
     @classmethod
     def start(
@@ -130,6 +135,8 @@ class VLLMEngine:
             config.engine.stream_interval_ms / 1000,
             config.engine.background_stream_interval_ms / 1000,
         )
+        if config.engine.background_cpu_yield > 0:
+            started.board = RealtimeBoard(claim=False)
         cache = engine.vllm_config.cache_config
         started.platform = EnginePlatform(
             backend,
@@ -186,6 +193,8 @@ class VLLMEngine:
             prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
             if request.tenant:  # tenants never share (or time) cached prefixes
                 prompt["cache_salt"] = request.tenant
+            if self.board is not None and request.qos != QoS.BACKGROUND:
+                self.board.wake(os.getpid())
             outputs = self._engine.generate(
                 prompt,
                 sampling_params(request.sampling),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import multiprocessing
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,16 @@ def test_engines_see_each_others_realtime_not_their_own_and_stale_marks_fade(
         now = time.monotonic()
         assert mine.others_hold_realtime(now)
         assert not mine.others_hold_realtime(now + 0.21)  # stale: it stopped marking
+        # A frontend wakes the engines it started (the child: its parent's pid is
+        # this process's) and any in its own process (``mine``).
+        # (Kept open to the end: closing it here would drop ``mine``'s lock.)
+        frontend = RealtimeBoard(path, claim=False)
+        assert frontend.slot is None
+        since = time.monotonic()
+        assert not mine.woken_since(since)
+        assert frontend.wake(os.getpid()) == 2
+        assert mine.woken_since(since)
+        assert frontend.wake(2**31 - 1) == 0
         release.set()
         other.join(30)
         assert other.exitcode == 0
@@ -45,6 +56,7 @@ def test_engines_see_each_others_realtime_not_their_own_and_stale_marks_fade(
         assert mine.others_hold_realtime(time.monotonic())  # its last mark, fresh
         mine.mark(0.0)  # long ago
         assert _board_in_child(path, fresh_s=120) == (1, False)
+        frontend.close()
     finally:
         release.set()
         if other.is_alive() or other.exitcode is not None:

@@ -1,5 +1,7 @@
 import asyncio
 import dataclasses
+import time
+from pathlib import Path
 
 import pytest
 
@@ -200,3 +202,25 @@ async def test_tool_calls_in_the_output_become_calls_and_finish_with_tool_calls(
     assert json.loads("".join(c.arguments for c in calls)) == json.loads(args)
     assert [t for d in deltas for t in d.token_ids] == ids  # every token still sent
     assert events[-1].reason == "tool_calls"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("qos", "woken"),
+    [(QoS.REALTIME, True), (QoS.NORMAL, True), (QoS.BACKGROUND, False)],
+)
+async def test_a_request_that_is_not_background_wakes_the_engine_first(
+    tmp_path: Path, qos: QoS, woken: bool
+) -> None:
+    from deployments.engine.realtime_board import RealtimeBoard
+
+    # engine.background_cpu_yield: the engine's slot (its scheduler's; this
+    # process plays the engine) and the frontend's view of the board.
+    engine_side = RealtimeBoard(tmp_path / "board")
+    llm = FakeAsyncLLM(STEPS)
+    engine = VLLMEngine(llm, "replica-a")  # type: ignore[arg-type]
+    engine.board = RealtimeBoard(tmp_path / "board", claim=False)
+    sent = time.monotonic()
+    await collect(engine, request(qos=qos))
+    assert engine_side.woken_since(sent) is woken
+    engine.board.close()
+    engine_side.close()
