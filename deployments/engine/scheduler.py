@@ -94,16 +94,19 @@ class _RealtimeGuard:
         super().shutdown()  # type: ignore[misc]
 
     def _waiting(self) -> list[Any]:
-        if self.kv_holding_waiting or self.waiting:
-            return [*self.kv_holding_waiting, *self.waiting]
-        return []  # every engine step comes here: nothing built while empty
+        return [*self.kv_holding_waiting, *self.waiting]
 
     def _most_urgent(self) -> int | None:
-        """The most urgent class in the engine (running or waiting), if any."""
-        return min(
-            (r.priority for r in itertools.chain(self.running, self._waiting())),
-            default=None,
-        )
+        """The most urgent class in the engine (running or waiting), if any.
+        Every engine step comes here: it stops at the first realtime request."""
+        top = None
+        queues = (self.running, self.kv_holding_waiting, self.waiting)
+        for r in itertools.chain.from_iterable(queues):
+            if r.priority == _REALTIME:
+                return _REALTIME
+            if top is None or r.priority < top:
+                top = r.priority
+        return top
 
     def _give_way(self, top: int | None) -> None:
         """Marks the board while this engine holds realtime; sleeps after a

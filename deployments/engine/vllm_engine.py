@@ -91,7 +91,8 @@ class VLLMEngine:
         self._tracer = tracing.tracer()
         # engine.background_cpu_yield: the node's board, to wake this replica's
         # engine (idling for realtime elsewhere) before a request it must not
-        # keep waiting.
+        # keep waiting. Open for the replica's life: closing it would drop the
+        # slot of an engine core running in this process (POSIX locks).
         self.board: RealtimeBoard | None = None
 
     @classmethod
