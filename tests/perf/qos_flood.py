@@ -50,33 +50,21 @@ BACKGROUND = ClassSpec(
 )
 GUARD_MATES = int(os.environ.get("QOS_FLOOD_BATCH_MATES", "0"))  # guard modes'
 CPU_YIELD = float(os.environ.get("QOS_FLOOD_CPU_YIELD", "0.8"))  # yield mode's
+
+
+def _engine_mode(key: str, engine: dict[str, Any]) -> Peer:
+    """The router with these ``engine`` settings (``--engine-json``)."""
+    label = ", ".join(f"engine.{k}: {v}" for k, v in engine.items())
+    command = _module("moe-cluster", "--engine-json", json.dumps(engine))
+    return Peer(key, f"router QoS, {label}", command, ())
+
+
 MODES = (
     Peer("router", "router QoS", _module("moe-cluster"), ()),
-    Peer(
-        "guard",
-        f"router QoS, engine.realtime_batch_mates: {GUARD_MATES}",
-        _module(
-            "moe-cluster",
-            "--engine-json",
-            json.dumps({"realtime_batch_mates": GUARD_MATES}),
-        ),
-        (),
-    ),
-    Peer(
+    _engine_mode("guard", {"realtime_batch_mates": GUARD_MATES}),
+    _engine_mode(
         "yield",
-        f"router QoS, engine.realtime_batch_mates: {GUARD_MATES}, "
-        f"engine.background_cpu_yield: {CPU_YIELD}",
-        _module(
-            "moe-cluster",
-            "--engine-json",
-            json.dumps(
-                {
-                    "realtime_batch_mates": GUARD_MATES,
-                    "background_cpu_yield": CPU_YIELD,
-                }
-            ),
-        ),
-        (),
+        {"realtime_batch_mates": GUARD_MATES, "background_cpu_yield": CPU_YIELD},
     ),
     Peer(
         "no-router",
@@ -85,6 +73,7 @@ MODES = (
         (),
     ),
 )
+KEYS = tuple(m.key for m in MODES)  # the table's order
 
 
 async def _open(workload: Workload, duration_s: float) -> dict[str, Any]:
@@ -155,7 +144,7 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=30.0)
     p.add_argument(
         "--modes",
-        default="router,guard,yield,no-router",
+        default=",".join(KEYS),
         help="comma-separated subset",
     )
     p.add_argument(
@@ -217,7 +206,7 @@ def table(out: dict[str, Any]) -> str:
         "| background tok/s |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for key in [k for k in ("router", "guard", "yield", "no-router") if k in out]:
+    for key in [k for k in KEYS if k in out]:
         for load in ("alone", "flood", "background_alone"):
             if load not in out[key]:
                 continue
@@ -246,7 +235,7 @@ def table(out: dict[str, Any]) -> str:
             f"guard and engine.background_cpu_yield {out.get('cpu_yield', '-')}."
         )
     ratios = []
-    for key in [k for k in ("router", "guard", "yield") if k in out]:
+    for key in [k for k in KEYS if k in out and "background_alone" in out[k]]:
         alone, flood = out[key]["alone"]["realtime"], out[key]["flood"]["realtime"]
         bg_alone = out[key]["background_alone"]["background"]["output_tok_s"]
         bg = out[key]["flood"]["background"]["output_tok_s"]
