@@ -3,7 +3,8 @@
 Every engine process on the node attaches the same segment by name and reads or
 writes pages in place (``numpy`` views over the mapping): nothing is pickled and
 nothing goes through Ray's object store. The only copy is between a page and the
-engine's own cache. Each page is checksummed (xxh3) when written and checked when read.
+engine's own cache. Each page is checksummed (``page_sum``) when written and checked
+when read.
 
     segment:  | page 0 | page 1 | ... | page N-1 |     page_bytes each
 """
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
-import xxhash
+
+from kvstore import page_sum
 
 Bytes = npt.NDArray[np.uint8]
 
@@ -74,16 +76,13 @@ class Arena:
         flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         if flat.nbytes != self.page_bytes:
             raise ValueError(f"a page is {self.page_bytes} bytes, got {flat.nbytes}")
-        dst = self._pages[index]
-        np.copyto(dst, flat)
-        return checksum(dst)
+        return page_sum.copy(self._pages[index], flat)
 
     def read_into(self, index: int, out: Bytes, expected: int) -> None:
         """Copies the page into ``out`` (one page of contiguous bytes) and checks
         what arrived there: a corrupt page raises and must not be used."""
         dst: Bytes = out.reshape(-1).view(np.uint8)
-        np.copyto(dst, self._pages[index])
-        if checksum(dst) != expected:
+        if page_sum.copy(dst, self._pages[index]) != expected:
             raise CorruptPage(f"page {index} failed its checksum")
 
     def close(self) -> None:
@@ -95,9 +94,8 @@ class Arena:
 
 
 def checksum(page: Bytes) -> int:
-    """xxh3 of a page's bytes, read in place."""
-    # xxh3: ~10x zlib.crc32 here, so checking a page costs less than copying it.
-    return xxhash.xxh3_64_intdigest(page.data)  # the array's own buffer: no copy
+    """The page's checksum (``page_sum``), read in place."""
+    return page_sum.checksum(page)
 
 
 SHM_DIR = Path("/dev/shm")

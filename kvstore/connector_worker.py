@@ -1,12 +1,13 @@
 """The connector's worker side (vLLM's model-runner process), with the arena mapped.
 
 ``start_load`` copies each page into the request's blocks before the forward
-pass, checking its checksum on the way (``page_layer.PageLoader``); a page that
+pass, checking its checksum on the way (``page_layer.PageCopier``); a page that
 fails is dropped from the store and its blocks (and every later one of the
 request) are reported to vLLM, which recomputes them. ``save`` copies the blocks
-completed this step into reserved pages; a background thread checksums and
-publishes them, so the step waits only for the copy. On CUDA the arena is
-registered as pinned memory and both copies run on a side stream.
+completed this step into reserved pages, summing them on the way on the host; a
+background thread publishes them (checksumming those copied to device caches
+first), so the step waits only for the copy. On CUDA the arena is registered as
+pinned memory and both copies run on a side stream.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from cluster import tracing
 from kvstore.arena import Arena, checksum
 from kvstore.connector_scheduler import Loads, PageSave
-from kvstore.page_layer import PageLayer, PageLoader
+from kvstore.page_layer import PageCopier, PageLayer
 from kvstore.rpc import StoreClient, StoreError, Written
 
 logger = logging.getLogger("moe_cluster.kvstore")
@@ -76,7 +77,7 @@ class StoreWorker:
         self._client, self._num_blocks, self._warn = client, num_blocks, warn
         self._model, self._block_size = model, block_size  # named in the layout
         self._layers: list[PageLayer] = []
-        self._loader: PageLoader | None = None
+        self._copier: PageCopier | None = None
         self._arena: Arena | None = None
         self._registered: torch.Tensor | None = None  # the arena, page-locked (CUDA)
         self._page_bytes, self._layout = 0, ""
@@ -85,9 +86,11 @@ class StoreWorker:
         self._retired: list[Arena] = []
         self._load_errors: set[int] = set()
         self._stream: Any = None
-        # (arena, slots written, CUDA event marking the copies done) to checksum
-        # and publish
-        self._commits: queue.Queue[tuple[Arena, list[int], Any] | None] = queue.Queue()
+        # (arena, slots written with their checksums where the copy took them,
+        # CUDA event marking the copies done) to checksum and publish
+        self._commits: queue.Queue[
+            tuple[Arena, list[tuple[int, int | None]], Any] | None
+        ] = queue.Queue()
         self._committer: threading.Thread | None = None
 
     @property
@@ -102,7 +105,7 @@ class StoreWorker:
             offset += layer.nbytes
         first = next(iter(kv_caches.values()))
         self._page_bytes = offset
-        self._loader = PageLoader(self._layers, offset)
+        self._copier = PageCopier(self._layers, offset)
         # Engines share a store only with pages of the same layout.
         self._layout = (
             f"{self._model}|{first.dtype}|block {self._block_size}|"
@@ -199,11 +202,11 @@ class StoreWorker:
             # The store restarted between lookup and load: recompute.
             self._load_errors.update(p.block_id for p in pages)
             return 0, 0
-        assert self._arena is not None and self._loader is not None
+        assert self._arena is not None and self._copier is not None
         loaded = nbytes = 0
         for i, p in enumerate(pages):
             page = self._arena.page(p.slot)
-            if not self._loader.load(
+            if not self._copier.load(
                 page, p.block_id, p.checksum, non_blocking=self._stream is not None
             ):
                 # Never serve it: this block and the rest of the prefix are
@@ -228,8 +231,8 @@ class StoreWorker:
             self._warn(e)
             self._attach()
             return
-        assert self._arena is not None
-        written = []
+        assert self._arena is not None and self._copier is not None
+        written: list[tuple[int, int | None]] = []
         stream = self._stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
@@ -238,9 +241,10 @@ class StoreWorker:
                 if slot is None:
                     continue  # stored already (or the store is full of pinned pages)
                 page = self._arena.page(slot)
-                for layer in self._layers:
-                    layer.save(page, s.block_id, non_blocking=stream is not None)
-                written.append(slot)
+                summed = self._copier.save(
+                    page, s.block_id, non_blocking=stream is not None
+                )
+                written.append((slot, summed))
         if written:
             event = None
             if stream is not None:
@@ -249,12 +253,16 @@ class StoreWorker:
             self._commits.put((self._arena, written, event))
 
     def _commit_loop(self) -> None:
-        """Checksums saved pages and publishes them, off the engine's step."""
+        """Publishes saved pages, off the engine's step, checksumming those that
+        were not summed as they were copied."""
         while (item := self._commits.get()) is not None:
             arena, slots, event = item
             if event is not None:
                 event.synchronize()
-            done = [Written(s, checksum(arena.page(s))) for s in slots]
+            done = [
+                Written(s, checksum(arena.page(s)) if c is None else c)
+                for s, c in slots
+            ]
             try:
                 self._client.commit(done)
             except StoreError as e:
@@ -269,7 +277,7 @@ class StoreWorker:
             self._commits.put(None)
             self._committer.join(timeout=5)
         self._unregister_arena()
-        self._layers, self._loader = [], None
+        self._layers, self._copier = [], None
         for arena in [*self._retired, *([self._arena] if self._arena else [])]:
             arena.close()
         self._arena, self._retired = None, []

@@ -25,6 +25,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
+from kvstore import page_sum
 from kvstore.arena import Arena, Bytes, CorruptPage
 from kvstore.block_hash import BlockHash
 from kvstore.page_store import PageIndex, PageRef
@@ -161,6 +162,7 @@ class NodeStore:
                     f"{page_bytes} bytes"
                 )
             self.arena = Arena.create(self._arena_name, num_pages, page_bytes)
+            page_sum.warm(page_bytes=page_bytes)  # exports and imports copy pages
             self.index = PageIndex(num_pages, self._removed)
             self.layout = layout
         elif (page_bytes, layout) != (self.arena.page_bytes, self.layout):

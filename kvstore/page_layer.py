@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 import torch
-import xxhash
 
+from kvstore import page_sum
 from kvstore.arena import Bytes, checksum
 
 
@@ -97,21 +97,32 @@ class PageLayer:
             dst.copy_(blk, non_blocking=non_blocking)
 
 
-class PageLoader:
-    """Loads whole pages (``page_bytes`` each) into the same layers' blocks: the
-    engine's layers, set once, so what each load needs is worked out once."""
+class PageCopier:
+    """Loads and saves whole pages (``page_bytes`` each) from and to the same
+    layers' blocks: the engine's layers, set once, so what each copy needs is
+    worked out once."""
 
     def __init__(self, layers: Sequence[PageLayer], page_bytes: int) -> None:
         self.layers, self.page_bytes = tuple(layers), page_bytes
-        # Host caches whose parts tile the page in order: each part is checked
-        # right after it is copied (below); anything else is checked first.
-        self._tiled = bool(self.layers) and not self.layers[0].cache.is_cuda
+        # Host caches whose parts tile the page in order can be checked as they
+        # are copied (below); anything else is checked first.
+        host = bool(self.layers) and not self.layers[0].cache.is_cuda
         offset = 0
         for layer in self.layers:
-            self._tiled &= layer.offset == offset
+            host &= layer.offset == offset and offset % 8 == 0
             offset += layer.nbytes
-        self._tiled &= offset == page_bytes
+        self._tiled = host and offset == page_bytes
         self._parts = [(x, x.offset, x.offset + x.nbytes) for x in self.layers]
+        # Blocks that are whole rows, of whole words: one compiled loop copies
+        # and sums the page into every layer.
+        self._rows: tuple[page_sum.Words, ...] | None = None
+        if self._tiled and all(
+            x._rows is not None and x.nbytes % 8 == 0 for x in self.layers
+        ):
+            self._rows = tuple(
+                x._rows.view(np.uint64) for x in self.layers if x._rows is not None
+            )
+        page_sum.warm(self._rows or (), page_bytes)  # not in an engine step
 
     def load(
         self, page: Bytes, block_id: int, expected: int, non_blocking: bool = False
@@ -119,24 +130,39 @@ class PageLoader:
         """Copies every layer's part of ``page`` into block ``block_id`` if the
         page's bytes checksum to ``expected``; returns whether they did.
 
-        Host caches: each layer's part is checksummed right after it is copied,
-        while it is still in the CPU's cache, so the page is read from memory
-        once (checking the whole page before copying it read it twice). The
-        parts cover the page in order, so their running xxh3 is the page's. A
-        page that fails has had its blocks written: the caller reports them to
-        vLLM, which recomputes them. Device caches: the page is checked in
-        place, then copied by DMA."""
+        Host caches: the page is summed as it is copied (``page_sum``), so it is
+        read from memory once and checking adds nothing to the copy; where the
+        blocks are not whole rows, each layer's part is summed right after it is
+        copied, while it is still in the CPU's cache. A page that fails has had
+        its blocks written: the caller reports them to vLLM, which recomputes
+        them. Device caches: the page is checked in place, then copied by DMA."""
         if page.nbytes != self.page_bytes:
             raise ValueError(f"a page is {self.page_bytes} bytes, got {page.nbytes}")
+        if self._rows is not None:
+            return page_sum.load_rows(self._rows, block_id, page) == expected
         if not self._tiled:
             if checksum(page) != expected:
                 return False
             for layer in self.layers:
                 layer.load(page, block_id, non_blocking=non_blocking)
             return True
-        data = page.data
-        running = xxhash.xxh3_64()
+        s1 = s2 = 0
         for layer, start, end in self._parts:
             layer.load(page, block_id)
-            running.update(data[start:end])
-        return bool(running.intdigest() == expected)
+            s1, s2 = page_sum.sums(page[start:end], start // 8, s1, s2)
+        return page_sum.digest(s1, s2, page.nbytes) == expected
+
+    def save(
+        self, page: Bytes, block_id: int, non_blocking: bool = False
+    ) -> int | None:
+        """Copies block ``block_id`` of every layer into ``page``. Returns the
+        page's checksum where it was summed on the way (host caches whose blocks
+        are whole rows), else None: the caller checksums the page once the
+        copies are done (device caches copy asynchronously)."""
+        if page.nbytes != self.page_bytes:
+            raise ValueError(f"a page is {self.page_bytes} bytes, got {page.nbytes}")
+        if self._rows is not None:
+            return page_sum.save_rows(self._rows, block_id, page)
+        for layer in self.layers:
+            layer.save(page, block_id, non_blocking=non_blocking)
+        return None

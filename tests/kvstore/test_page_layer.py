@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvstore.arena import checksum
-from kvstore.page_layer import PageLayer, PageLoader
+from kvstore.page_layer import PageCopier, PageLayer
 
 
 @pytest.mark.parametrize(
@@ -102,9 +102,9 @@ def test_a_loader_checks_the_page_on_the_way_and_loads_every_layer(
         layers.append(PageLayer(f"l{i}", cache, 0, offset))
         offset += layers[-1].nbytes
     page = _page_of(layers, 1)
-    expected = checksum(page)  # the whole page's xxh3, as the store keeps it
+    expected = checksum(page)  # the whole page's, as the store keeps it
 
-    loader = PageLoader(layers, page.nbytes)
+    loader = PageCopier(layers, page.nbytes)
     assert loader.load(page, 4, expected)
     for cache in caches:
         assert torch.equal(cache[4].view(torch.uint8), cache[1].view(torch.uint8))
@@ -123,7 +123,7 @@ def test_a_loader_checks_layers_that_do_not_tile_the_page_before_copying() -> No
     for layer in layers:
         layer.save(page, 0)
     expected = checksum(page)
-    loader = PageLoader(layers, page.nbytes)
+    loader = PageCopier(layers, page.nbytes)
     assert loader.load(page, 2, expected)
     assert torch.equal(caches[1][2], caches[1][0])
 
@@ -131,3 +131,32 @@ def test_a_loader_checks_layers_that_do_not_tile_the_page_before_copying() -> No
     page[first.nbytes + 3] ^= 1  # in the gap: still part of the page's bytes
     assert not loader.load(page, 3, expected)
     assert all(torch.equal(c, b) for c, b in zip(caches, before, strict=True))
+
+
+@pytest.mark.parametrize("block_dim", [0, 1])  # whole rows; strided blocks
+def test_a_copier_saves_and_loads_pages_summed_as_the_store_checks_them(
+    block_dim: int,
+) -> None:
+    shape = (6, 2, 16, 8) if block_dim == 0 else (2, 6, 16, 8)
+    caches = [torch.randn(shape) for _ in range(3)]
+    layers, offset = [], 0
+    for i, cache in enumerate(caches):
+        layers.append(PageLayer(f"l{i}", cache, block_dim, offset))
+        offset += layers[-1].nbytes
+    copier = PageCopier(layers, offset)
+    page = np.zeros(offset, dtype=np.uint8)
+
+    summed = copier.save(page, 2)
+    assert np.array_equal(page, _page_of(layers, 2))
+    # Whole rows are summed as they are copied; strided blocks are checksummed
+    # by the caller once copied.
+    assert summed == (checksum(page) if block_dim == 0 else None)
+
+    expected = checksum(page)
+    assert copier.load(page, 4, expected)
+    for cache in caches:
+        assert torch.equal(cache.select(block_dim, 4), cache.select(block_dim, 2))
+    page[3] ^= 0x01  # the first layer's part
+    assert not copier.load(page, 5, expected)
+    with pytest.raises(ValueError, match="a page is"):
+        copier.save(page[:-8], 2)

@@ -6,9 +6,10 @@ Three page layouts: one vLLM block of the tiny model's 4 layers (MLA latent 576)
 as each CPU backend keeps it (16 tokens of fp32; 128 tokens of bf16), and one of
 DeepSeek-V3 (64 tokens x 61 layers of bf16: 4.3 MiB). For each: a plain
 ``np.copyto`` between two private buffers (memcpy), the arena copy alone (shared
-memory -> private buffer), the arena load as a cross-node export does it (copy +
-xxh3 of what arrived), and the connector's own load into the layers' paged caches
-(``PageLoader.load``: checksummed on the way), with its ratio to memcpy.
+memory -> private buffer), the arena load as a cross-node export does it (copy,
+checksummed on the way), and the connector's own load into the layers' paged
+caches and save back (``PageCopier``: checksummed on the way), with their ratios
+to memcpy.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def measure(page_bytes: int) -> dict[str, float]:
         for _ in range(4):
             for i in range(pages):
                 arena.read_into(i, dst[i], checksums[i])
-        results["arena load (copy + xxh3)"] = _rate(moved, time.perf_counter() - t)
+        results["arena load, checked"] = _rate(moved, time.perf_counter() - t)
         return results
     finally:
         arena.close()
@@ -72,13 +73,14 @@ def measure(page_bytes: int) -> dict[str, float]:
 def measure_connector(layers: int, tokens: int, dtype: str) -> dict[str, float]:
     """GB/s of the connector's own load on CPU, against a memcpy of the same arena
     pages into one private buffer, alternated three times (medians): the copies
-    alone (``PageLayer.load`` of every layer), and ``PageLoader.load`` as the
-    connector's ``start_load`` calls it (the copies, checking each page's xxh3 on
-    the way). Destinations are blocks scattered at random in each layer's paged
-    cache."""
+    alone (``PageLayer.load`` of every layer), ``PageCopier.load`` as the
+    connector's ``start_load`` calls it (the copies, checking each page's checksum
+    on the way), and ``PageCopier.save`` as its ``save`` does (blocks back into
+    the pages, summed on the way). Blocks are scattered at random in each layer's
+    paged cache."""
     import torch
 
-    from kvstore.page_layer import PageLayer, PageLoader
+    from kvstore.page_layer import PageCopier, PageLayer
 
     dt = getattr(torch, dtype)
     block_bytes = tokens * 576 * dt.itemsize
@@ -113,18 +115,29 @@ def measure_connector(layers: int, tokens: int, dtype: str) -> dict[str, float]:
                 for layer in cache_layers:
                     layer.load(page, blocks[i])
 
-        loader = PageLoader(cache_layers, page_bytes)
+        copier = PageCopier(cache_layers, page_bytes)
 
         def load() -> None:
             for i in range(pages):
-                assert loader.load(arena.page(i), blocks[i], crcs[i])
+                assert copier.load(arena.page(i), blocks[i], crcs[i])
 
-        runs: dict[str, list[float]] = {"memcpy": [], "copies": [], "load_page": []}
+        def save() -> None:  # the same bytes back: the pages keep their checksums
+            for i in range(pages):
+                summed = copier.save(arena.page(i), blocks[i])
+                assert summed is None or summed == crcs[i]
+
+        runs: dict[str, list[float]] = {
+            "memcpy": [],
+            "copies": [],
+            "load_page": [],
+            "save_page": [],
+        }
         for _ in range(4):  # the first round warms up
             for label, f in (
                 ("memcpy", memcpy),
                 ("copies", copies),
                 ("load_page", load),
+                ("save_page", save),
             ):
                 t = time.perf_counter()
                 f()
@@ -174,26 +187,28 @@ def measure_gpu(page_bytes: int) -> dict[str, float] | None:
 
 
 def main() -> None:
-    print("| page | memcpy GB/s | arena copy GB/s | arena load (copy + xxh3) GB/s |")
+    print("| page | memcpy GB/s | arena copy GB/s | arena load, checked GB/s |")
     print("|---|---|---|---|")
     for label, size in SIZES.items():
         r = measure(size)
         print(
             f"| {label}, {size / 1024:.0f} KiB | {r['memcpy']:.1f} | "
-            f"{r['arena copy']:.1f} | {r['arena load (copy + xxh3)']:.1f} |"
+            f"{r['arena copy']:.1f} | {r['arena load, checked']:.1f} |"
         )
     print()
     print(
         "| page | memcpy from the arena GB/s | connector copies GB/s (x memcpy) "
-        "| connector load, checked GB/s (x memcpy) |"
+        "| connector load, checked GB/s (x memcpy) "
+        "| connector save, summed GB/s (x memcpy) |"
     )
-    print("|---|---|---|---|")
+    print("|---|---|---|---|---|")
     for label, layout in LAYOUTS.items():
         c = measure_connector(*layout)
         m = c["memcpy"]
         print(
             f"| {label} | {m:.1f} | {c['copies']:.1f} ({c['copies'] / m:.2f}x) | "
-            f"{c['load_page']:.1f} ({c['load_page'] / m:.2f}x) |"
+            f"{c['load_page']:.1f} ({c['load_page'] / m:.2f}x) | "
+            f"{c['save_page']:.1f} ({c['save_page'] / m:.2f}x) |"
         )
     for label, size in SIZES.items():
         g = measure_gpu(size)
