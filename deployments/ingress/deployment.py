@@ -72,6 +72,26 @@ class StreamFailed(Exception):
     """
 
 
+class _AnsweredStreams(logging.Filter):
+    """Keeps Serve's logger from logging a traceback for each gRPC stream this
+    ingress ended with a status of its own (``StreamFailed``): refusals under
+    overload and bad requests. Serve logs two 25-line tracebacks for each, which
+    its log monitor then ships to the driver: under a flood of refusals, CPU the
+    requests being served need. They are answered, counted and traced already,
+    and Serve's access log still has a line for each; an internal error is
+    logged by the ingress itself (``_grpc_fail``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        original = getattr(exc, "original_exception", None)  # Serve's wrapper
+        return not isinstance(exc, StreamFailed) and not isinstance(
+            original, StreamFailed
+        )
+
+
+ANSWERED_STREAMS = _AnsweredStreams()
+
+
 def _client_message(exc: BaseException) -> str:
     if isinstance(exc, CLIENT_ERRORS):
         return str(exc)
@@ -175,6 +195,7 @@ class Ingress:
         self._config = config
         self._engine = engine
         tracing.install_log_context()
+        logging.getLogger("ray.serve").addFilter(ANSWERED_STREAMS)
         facts = ModelFacts.from_checkpoint(
             config.model.path, config.model.served_name, config.engine.max_model_len
         )
