@@ -11,7 +11,8 @@ reads the board to learn whether another engine on the node has one
 An idling engine does not see requests sent to it (vLLM's engine core reads its
 input between steps), so its frontend, the engine replica's process, wakes it
 before it sends a realtime or normal request: each slot also holds its engine's
-process id and parent's (the frontend's), and a wake time.
+process id and parent's (the frontend's), and a wake time. A realtime request's
+wake also marks the slot, so the other engines give way before its first step.
 
 A slot counts while its time is fresher than ``fresh_s``: a dead engine's slot
 goes quiet by itself, and the next engine to claim it starts it afresh. Times are
@@ -91,11 +92,17 @@ class RealtimeBoard:
         ``fresh_s`` of ``now``."""
         return bool(np.any((self._times > now - self.fresh_s) & self._others))
 
-    def wake(self, pid: int) -> int:
+    def wake(self, pid: int, realtime: bool = False) -> int:
         """Wakes the engines that process ``pid`` is or started (a frontend
-        about to send them a request); returns how many slots it woke."""
+        about to send them a request); returns how many slots it woke. For a
+        realtime request it also marks them as holding one: the node's other
+        engines give way from now, while the request travels into its engine
+        and is prefilled, not only from its engine's first step with it."""
         mine = (self._pids == pid).any(axis=0)
-        self._wakes[mine] = time.monotonic()
+        now = time.monotonic()
+        self._wakes[mine] = now
+        if realtime:
+            self._times[mine] = now
         return int(mine.sum())
 
     def woken_since(self, t: float) -> bool:

@@ -195,7 +195,7 @@ class VLLMEngine:
             if request.tenant:  # tenants never share (or time) cached prefixes
                 prompt["cache_salt"] = request.tenant
             if self.board is not None and request.qos != QoS.BACKGROUND:
-                self.board.wake(os.getpid())
+                self.board.wake(os.getpid(), realtime=request.qos == QoS.REALTIME)
             outputs = self._engine.generate(
                 prompt,
                 sampling_params(request.sampling),

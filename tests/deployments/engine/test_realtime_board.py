@@ -48,6 +48,11 @@ def test_engines_see_each_others_realtime_not_their_own_and_stale_marks_fade(
         assert not mine.woken_since(since)
         assert frontend.wake(os.getpid()) == 2
         assert mine.woken_since(since)
+        assert not mine.others_hold_realtime(time.monotonic() + 0.21)
+        # A realtime request's wake marks its engines as holding realtime
+        # before their first step with it.
+        assert frontend.wake(os.getpid(), realtime=True) == 2
+        assert mine.others_hold_realtime(time.monotonic())
         assert frontend.wake(2**31 - 1) == 0
         release.set()
         other.join(30)

@@ -219,8 +219,13 @@ async def test_a_request_that_is_not_background_wakes_the_engine_first(
     llm = FakeAsyncLLM(STEPS)
     engine = VLLMEngine(llm, "replica-a")  # type: ignore[arg-type]
     engine.board = RealtimeBoard(tmp_path / "board", claim=False)
+    # Another engine's view of the board (fresh for as long as the test runs).
+    others = RealtimeBoard(tmp_path / "board", fresh_s=60, claim=False)
     sent = time.monotonic()
     await collect(engine, request(qos=qos))
     assert engine_side.woken_since(sent) is woken
+    # A realtime request marks its engine before the engine's first step with it.
+    assert others.others_hold_realtime(time.monotonic()) is (qos == QoS.REALTIME)
+    others.close()
     engine.board.close()
     engine_side.close()
