@@ -23,6 +23,14 @@ def engine_env(config: EngineConfig) -> dict[str, str]:
     }
     if config.omp_num_threads is not None:
         env["OMP_NUM_THREADS"] = str(config.omp_num_threads)
+    if config.attention_backend in CPU_BACKENDS:
+        # torch backs its large host allocations (the paged KV cache, weights)
+        # with transparent huge pages: a page loaded from the store writes one
+        # block of each layer, scattered through the cache, and with 4 KiB pages
+        # each costs TLB misses (loads: 0.76x -> 0.83x memcpy on CPU_MLA's pages,
+        # tests/perf/page_copy.py). Only where the kernel allows it on request
+        # (transparent_hugepage "madvise" or "always").
+        env["THP_MEM_ALLOC_ENABLE"] = "1"
     if config.executor == "uni" and config.attention_backend in CPU_BACKENDS:
         # vLLM's CPU platform turns a uni executor into mp unless this is off
         # (AsyncLLM runs its engine core in a process of its own either way).

@@ -14,6 +14,12 @@ to memcpy.
 
 from __future__ import annotations
 
+import os
+
+# The engines' caches are in huge pages (deployments/engine/args.py: engine_env),
+# as numpy's buffers (the memcpy) are by default; before torch is imported.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
 import statistics
 import time
 import uuid

@@ -87,6 +87,8 @@ def test_the_executor_a_config_resolves_to_reaches_vllm(
     # vLLM's CPU platform keeps a uni executor only with multiprocessing off.
     env = engine_env(config.engine)
     assert (env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0") is single_process
+    # CPU engines' caches in huge pages, where the kernel gives them.
+    assert (env.get("THP_MEM_ALLOC_ENABLE") == "1") is (amx is not None)
     args = engine_args("/m", "m", config.engine)
     want = None if executor == "auto" else executor
     assert args.distributed_executor_backend == want
