@@ -104,8 +104,9 @@ class PageCopier:
 
     def __init__(self, layers: Sequence[PageLayer], page_bytes: int) -> None:
         self.layers, self.page_bytes = tuple(layers), page_bytes
-        # Host caches whose parts tile the page in order can be checked as they
-        # are copied (below); anything else is checked first.
+        # Host caches whose parts tile the page in order, each starting at a
+        # whole word, can be checked as they are copied (below); anything else
+        # is checked first.
         host = bool(self.layers) and not self.layers[0].cache.is_cuda
         offset = 0
         for layer in self.layers:
@@ -131,7 +132,7 @@ class PageCopier:
         page's bytes checksum to ``expected``; returns whether they did.
 
         Host caches: the page is summed as it is copied (``page_sum``), so it is
-        read from memory once and checking adds nothing to the copy; where the
+        read from memory once and checking adds little to the copy; where the
         blocks are not whole rows, each layer's part is summed right after it is
         copied, while it is still in the CPU's cache. A page that fails has had
         its blocks written: the caller reports them to vLLM, which recomputes

@@ -13,9 +13,9 @@ differences cancel too, modulo 2**64: words ``a`` and ``b`` swapped show unless
 ``(w[a] - w[b]) * (b - a)`` is a multiple of 2**63. This guards pages against
 damage (stray writes, torn or stale pages), not against an adversary. A page is
 read from memory once: each word is summed as it is copied (``load_rows``), in
-one loop that the compiler vectorises, so checking costs the copy nothing more.
-A separate hash over the copied bytes (xxh3, even from the CPU's cache) cost
-12-15% of the load.
+one loop that the compiler vectorises, so checking costs 3-10% over the copies
+alone (tests/perf/page_copy.py); a separate hash over the copied bytes (xxh3,
+even from the CPU's cache) cost 12-15%.
 
 The kernels are compiled by numba and cached on disk (``kvstore/__pycache__``),
 for each kind of arguments: ``warm`` does it before a step needs them.
