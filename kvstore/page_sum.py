@@ -130,6 +130,8 @@ def checksum(data: npt.NDArray[np.uint8]) -> int:
 def copy(dst: npt.NDArray[np.uint8], src: npt.NDArray[np.uint8]) -> int:
     """Copies ``src`` into ``dst`` (contiguous bytes, as many) and returns the
     checksum of what was copied, summed on the way."""
+    if dst.nbytes != src.nbytes:
+        raise ValueError(f"copying {src.nbytes} bytes into {dst.nbytes}")
     if src.nbytes % 8:
         np.copyto(dst, src)
         return checksum(dst)

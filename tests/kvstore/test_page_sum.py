@@ -78,3 +78,9 @@ def test_copies_return_the_checksum_of_what_they_copied() -> None:
         src, dst = _bytes(n, seed=1), np.zeros(n, dtype=np.uint8)
         assert page_sum.copy(dst, src) == reference(src)
         assert np.array_equal(dst, src)
+
+
+def test_a_copy_between_buffers_of_different_sizes_is_refused() -> None:
+    # The kernel trusts its bounds: a short destination must never be reached.
+    with pytest.raises(ValueError, match="copying 4096 bytes into 4088"):
+        page_sum.copy(np.zeros(4088, dtype=np.uint8), _bytes(4096))
