@@ -19,7 +19,7 @@ from typing import Any
 import ray
 from opentelemetry.trace import SpanKind
 
-from cluster import tracing
+from cluster import gc_pauses, tracing
 from cluster.actors import NAMESPACE, kill_and_wait, singleton_options
 from cluster.checkpoint import Checkpoint
 from cluster.config import RouterConfig
@@ -80,6 +80,7 @@ class DeepSeekRouter:
         # Tickets admit_many left queued, by request id, until ``admission``.
         self._waiting: dict[str, asyncio.Future[RouteDecision | Shed]] = {}
         logger.info("DeepSeekRouter up (policy %s)", config.policy)
+        gc_pauses.settle("router")
 
     async def admit(self, ticket: Ticket) -> RouteDecision | Shed:
         """The decision, or the ``Shed`` refusing it: returned, not raised, so it

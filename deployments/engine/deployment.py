@@ -21,7 +21,7 @@ from typing import Any
 import ray
 from ray import serve
 
-from cluster import tracing
+from cluster import gc_pauses, tracing
 from cluster.config import ClusterConfig
 from cluster.loops import every
 from deployments.engine import kv_events
@@ -147,6 +147,7 @@ class EngineServer:
             # a health check passes); the ingress waits for a replica it was told
             # of but does not know yet (deployments.engine.pinned_router).
             self._reporter.started()
+        gc_pauses.settle(f"engine replica {replica_id}")
         logger.info("engine replica %s ready", replica_id)
 
     async def _refresh_metrics(self) -> None:

@@ -22,7 +22,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster import tracing
+from cluster import gc_pauses, tracing
 from cluster.config import ClusterConfig
 from deployments.ingress import grpc_api, kv_warm, openai_api, structured, validation
 from deployments.ingress.errors import CLIENT_ERRORS, ServiceError, Status, status_of
@@ -216,6 +216,7 @@ class Ingress:
             migration_limit=config.router.migration_limit,
         )
         self._router = router
+        gc_pauses.settle("ingress")
 
     def _open_stream(self, request: EngineRequest) -> Any:
         return self._engine.options(stream=True).generate.remote(request)
