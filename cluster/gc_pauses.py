@@ -15,14 +15,15 @@ waits. Two things make those walks long on the serving plane:
   a time).
 
 CPython runs a full collection every 10 collections of generation 1 once the
-objects promoted since the last one exceed a quarter of those it kept; a frozen
-heap counts for nothing there, so on a served process that is every 10. Under a
-2x background flood on 2 cores that was every ~30 s in the ingress, stopping it
-for 39-98 ms each (22-71 ms of CPU), and a 205 ms stop of the router (169,000
-objects, unfrozen): realtime requests that arrived then waited that long.
-``FULL_EVERY`` makes them ten times rarer. The cyclic garbage that reaches the
-oldest generation meanwhile is what those collections found: a few hundred
-objects.
+objects promoted since the last one exceed a quarter of those it kept. Frozen
+objects are not among those kept after the first full collection, so on a served
+process that is every 10. Under a 2x background flood on 2 cores that was every
+~30 s in the ingress, stopping it for 39-98 ms each (22-71 ms of CPU), and a
+205 ms stop of the router (169,000 objects, unfrozen): realtime requests that
+arrived then waited that long. ``FULL_EVERY`` makes them ten times rarer. The
+cyclic garbage that reaches the oldest generation waits longer for them: a few
+hundred objects a collection found; about a thousand tracebacks and frames (of
+refused requests) in the ingress after a 60 s flood.
 """
 
 from __future__ import annotations
