@@ -36,11 +36,14 @@ logger = logging.getLogger(__name__)
 FULL_EVERY = 100  # generation-1 collections per full collection (CPython: 10)
 
 
-def settle(what: str) -> None:
-    """After a process started: collects and freezes what it built, and runs
-    full collections ``FULL_EVERY`` times less often than CPython would."""
-    gc.collect()
-    gc.freeze()
+def settle(what: str, *, freeze: bool = True) -> None:
+    """After a process started: collects and freezes what it built (unless
+    ``freeze`` is off: Ray Serve does it for a replica once its constructor
+    returns, ``RAY_SERVE_FREEZE_GC_ON_STARTUP``), and runs full collections
+    ``FULL_EVERY`` times less often than CPython would."""
+    if freeze:
+        gc.collect()
+        gc.freeze()
     young, middle, _ = gc.get_threshold()
     gc.set_threshold(young, middle, FULL_EVERY)
     logger.info(

@@ -147,7 +147,7 @@ class EngineServer:
             # a health check passes); the ingress waits for a replica it was told
             # of but does not know yet (deployments.engine.pinned_router).
             self._reporter.started()
-        gc_pauses.settle(f"engine replica {replica_id}")
+        gc_pauses.settle(f"engine replica {replica_id}", freeze=False)  # Serve does
         logger.info("engine replica %s ready", replica_id)
 
     async def _refresh_metrics(self) -> None:

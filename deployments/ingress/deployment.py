@@ -216,7 +216,7 @@ class Ingress:
             migration_limit=config.router.migration_limit,
         )
         self._router = router
-        gc_pauses.settle("ingress")
+        gc_pauses.settle("ingress", freeze=False)  # Serve freezes it
 
     def _open_stream(self, request: EngineRequest) -> Any:
         return self._engine.options(stream=True).generate.remote(request)
