@@ -18,10 +18,14 @@ from tests.otlp_receiver import OTLPReceiver, Span, tree
 
 BLOCK = PLATFORM.block_size
 MODEL = "tiny-deepseek-v2"
-# Every hop a served request crosses, by span name (or its start).
+# Every hop a served request crosses, by span name (or its start). Each process
+# exports its spans in its own batches, so each replica's span is named: the
+# ingress's links the proxy's span to the request's.
+INGRESS_REPLICA = "replica_handle_request Ingress"
 HOPS = {
     "proxy_",
-    "replica_handle_request",
+    INGRESS_REPLICA,
+    "replica_handle_request Engine",
     "ingress.authenticate",
     "ingress.validate",
     "ingress.tokenize",
@@ -236,15 +240,9 @@ def test_without_a_traceparent_the_proxy_starts_the_trace(served: Served) -> Non
     from tests.waiting import wait_until
 
     span = wait_until(request_span, timeout=30, what="the request's span")
-
-    def up_to_the_proxy() -> list[Span] | None:
-        # Each process exports its spans in its own batches: the ingress replica's
-        # span, between the proxy's and the request's, may come last.
-        spans = receiver(served).spans(span.trace_id)
-        chain = ancestors(spans, span)
-        return spans if any(s.name.startswith("proxy_") for s in chain) else None
-
-    spans = wait_until(up_to_the_proxy, timeout=60, what="the spans up to the proxy's")
+    spans = receiver(served).wait_for(
+        span.trace_id, {"proxy_http_request", INGRESS_REPLICA}
+    )
     proxy = one(spans, "proxy_http_request")
     assert proxy.parent_id == ""  # a root: the trace began at the proxy
     assert proxy in ancestors(spans, span)
