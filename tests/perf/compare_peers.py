@@ -26,8 +26,10 @@ Prompts are sent as text (the seeded token ids decoded with the model's
 tokenizer), the form every peer's router understands; random ids decode to text
 that re-tokenizes to ~1.2x the nominal lengths, the same text for every peer.
 
-Writes ``tests/perf/results/peers.json`` (summaries) and ``peers.md`` (the table
-of ratios), so a later change can be compared with this one.
+Writes ``tests/perf/results/peers-<backend>.json`` (summaries) and
+``peers-<backend>.md`` (the table of ratios), named by the engines' attention
+backend (``amx_mla`` on a CPU with AMX, ``cpu_mla`` on any other), so a later
+change can be compared with this one on the same kind of CPU.
 """
 
 from __future__ import annotations
@@ -484,6 +486,14 @@ def machine() -> str:
     )
 
 
+def per_cpu(stem: str) -> str:
+    """``{stem}-amx_mla`` or ``{stem}-cpu_mla``, by the backend the engines get on
+    this CPU: a result file per kind of CPU."""
+    from cluster.config import ClusterConfig
+
+    return f"{stem}-{ClusterConfig().engine_platform().backend.value.lower()}"
+
+
 def cell(
     results: dict[str, Any], peer: str, row: tuple[Any, ...]
 ) -> float | str | None:
@@ -564,7 +574,7 @@ def main() -> None:
     parser.add_argument(
         "--scenarios",
         default=",".join(SCENARIOS),
-        help="run only these (a partial run: peers.md is not replaced)",
+        help="run only these (a partial run does not replace the recorded table)",
     )
     args = parser.parse_args()
     only = set(args.peers)
@@ -574,17 +584,18 @@ def main() -> None:
     if args.capacity:
         capacity = {"rate": args.capacity, "measured_on": "an earlier run"}
     results: dict[str, Any] = {}
+    stem = per_cpu("peers")
     for peer in PEERS:
         if only and peer.key not in only:
             continue
         results[peer.key] = run_peer(peer, capacity, logs, scenarios)
-        name = "peers.json" if not partial else "peers-partial.json"
+        name = f"{stem}.json" if not partial else "peers-partial.json"
         (RESULTS / name).write_text(
             json.dumps({"capacity": capacity, "results": results}, indent=1)
         )
     table = markdown(results, capacity)
     if not partial:  # a partial run does not replace the recorded comparison
-        (RESULTS / "peers.md").write_text(table)
+        (RESULTS / f"{stem}.md").write_text(table)
     print(table)
 
 

@@ -23,7 +23,8 @@ routing.
 Capacity is the background shape's closed-loop request rate at 32 streams, measured
 once on the first mode. Also prints the router's own compute time per decision and
 the ingress-to-router admission round trip on an idle cluster. Writes
-``tests/perf/results/qos_flood.{json,md}``.
+``tests/perf/results/qos_flood-<backend>.{json,md}`` (``amx_mla`` on a CPU with AMX,
+``cpu_mla`` on any other).
 """
 
 from __future__ import annotations
@@ -38,7 +39,15 @@ from typing import Any
 from deployments.bench.backends import GrpcBackend
 from deployments.bench.report import Slo
 from deployments.bench.workload import ClassSpec, LengthRange, Workload
-from tests.perf.compare_peers import PORT, RESULTS, Peer, Server, _module, drive
+from tests.perf.compare_peers import (
+    PORT,
+    RESULTS,
+    Peer,
+    Server,
+    _module,
+    drive,
+    per_cpu,
+)
 
 TARGET = f"127.0.0.1:{PORT + 1}"
 SLO = Slo(ttft_ms=1000)
@@ -194,8 +203,9 @@ def main() -> None:
     out["guard_batch_mates"] = GUARD_MATES
     out["cpu_yield"] = CPU_YIELD
     if all(m.key in out for m in MODES):
-        (RESULTS / "qos_flood.json").write_text(json.dumps(out, indent=1))
-        (RESULTS / "qos_flood.md").write_text(table(out) + "\n")
+        stem = per_cpu("qos_flood")
+        (RESULTS / f"{stem}.json").write_text(json.dumps(out, indent=1))
+        (RESULTS / f"{stem}.md").write_text(table(out) + "\n")
     print(table(out))
 
 
