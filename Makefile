@@ -69,7 +69,8 @@ clean:
 	rm -rf $(VENV) $(MODEL) .pytest_cache .mypy_cache .ruff_cache
 
 # moe-cluster against bare vLLM and Ray Serve LLM on the same model and workloads
-# (~30 min on AMX, ~50 on AVX2; writes tests/perf/results/peers-<backend>.{json,md}, one per kind of CPU).
+# (~30 min on AMX, ~50 on AVX2; writes tests/perf/results/peers-<backend>.{json,md},
+# one pair per kind of CPU).
 bench-peers: install
 	$(BIN)/python -m tests.perf.compare_peers
 
