@@ -94,8 +94,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "tests/integration/" in str(item.fspath):
             item.add_marker(pytest.mark.integration)
-    # Modules that break the shared cluster (and wait for it to heal) run last.
-    items.sort(key=lambda item: bool(getattr(item.module, "RUN_LAST", False)))
+    items.sort(key=_order)
+
+
+def _order(item: pytest.Item) -> int:
+    """Tests that start a Ray cluster of their own in a child process (their
+    module sets ``OWN_CLUSTER``) run first, before the shared cluster starts: its
+    processes keep working while idle (reports, store syncs, Serve's control
+    loop), on the cores the child's engines start on. Those that also use the
+    shared cluster keep their place. Modules that break the shared cluster (and
+    wait for it to heal) run last (``RUN_LAST``)."""
+    module = getattr(item, "module", None)
+    if getattr(module, "OWN_CLUSTER", False) and "served" not in getattr(
+        item, "fixturenames", ()
+    ):
+        return 0
+    return 2 if getattr(module, "RUN_LAST", False) else 1
 
 
 def app_settings(tiny_model: Path, **sections: dict[str, Any]) -> dict[str, Any]:

@@ -22,9 +22,11 @@ from tests.otlp_receiver import untraced_env
 
 # The child process starts a cluster and a group twice (~4 min here).
 pytestmark = pytest.mark.timeout(900)
+OWN_CLUSTER = True  # runs before the shared cluster starts (but the greedy check)
 
 
-@pytest.fixture(scope="module")
+# Session-wide: the greedy check runs later, beside the shared cluster.
+@pytest.fixture(scope="session")
 def phases(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     results = tmp_path_factory.mktemp("ep") / "phases.pickle"
     out = subprocess.run(

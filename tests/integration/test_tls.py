@@ -21,6 +21,8 @@ from cluster.config import ClusterConfig
 from tests.integration.conftest import free_port
 from tests.otlp_receiver import untraced_env
 
+OWN_CLUSTER = True  # runs before the shared cluster starts (conftest.py)
+
 CHILD = """
 import sys, time, json
 import ray

@@ -14,6 +14,9 @@ from tests.integration.conftest import PLATFORM
 from tests.kvstore.two_nodes import PAGE, EnginesRun, Fetched
 from tests.otlp_receiver import untraced_env
 
+# Runs before the shared cluster starts (tests/integration/conftest.py).
+OWN_CLUSTER = True
+
 
 @pytest.mark.integration
 def test_a_page_held_on_node_1_is_fetched_by_node_2(
