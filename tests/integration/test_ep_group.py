@@ -22,7 +22,7 @@ from tests.otlp_receiver import untraced_env
 
 # The child process starts a cluster and a group twice (~4 min here).
 pytestmark = pytest.mark.timeout(900)
-OWN_CLUSTER = True  # runs before the shared cluster starts (but the greedy check)
+OWN_CLUSTER = True  # runs before the shared cluster starts, all but the greedy check
 
 
 # Session-wide: the greedy check runs later, beside the shared cluster.
