@@ -101,7 +101,7 @@ def _order(item: pytest.Item) -> int:
     """Tests that start a Ray cluster of their own in a child process (their
     module sets ``OWN_CLUSTER``) run first, before the shared cluster starts: its
     processes keep working while idle (reports, store syncs, Serve's control
-    loop), on the cores the child's engines start on. Those that also use the
+    loop), on the cores the child's processes start on. Those that also use the
     shared cluster keep their place. Modules that break the shared cluster (and
     wait for it to heal) run last (``RUN_LAST``)."""
     module = getattr(item, "module", None)
