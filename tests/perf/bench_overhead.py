@@ -32,9 +32,10 @@ async def measure(name: str, backend: Backend) -> None:
             ),
         )
     )
-    await run_closed_loop(backend, workload.requests(), CONCURRENCY, Limits(20))
+    prompts = workload.requests()  # the warmup's are not sent again
+    await run_closed_loop(backend, prompts, CONCURRENCY, Limits(20))
     records, duration = await run_closed_loop(
-        backend, workload.requests(), CONCURRENCY, Limits(REQUESTS)
+        backend, prompts, CONCURRENCY, Limits(REQUESTS)
     )
     s = summarize(records, duration, Slo())["all"]
     if s["errors"]:

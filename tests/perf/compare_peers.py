@@ -9,7 +9,9 @@ PrefixCacheAffinityRouter), and moe-cluster. All are driven over OpenAI HTTP by
 ``moe-cluster bench``'s load generator with the same seeded workloads:
 
 - S1: one replica, closed loop, one and four streams at a time (serving
-  overhead); moe-cluster over gRPC as well as HTTP;
+  overhead); moe-cluster over gRPC as well as HTTP. No prompt is sent twice to
+  one server, warmup included, so no prefix cache (vLLM's, or moe-cluster's page
+  store) answers any part of one;
 - S2: one replica, a realtime stream (0.5 req/s) under a background flood at 2x
   the baseline's measured capacity (Poisson, 30 s);
 - S3: two replicas, 4 shared prefixes of 512 tokens + 32 distinct tokens each,
@@ -42,7 +44,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,7 +56,13 @@ from deployments.bench.backends import Backend, GrpcBackend, OpenAIBackend
 from deployments.bench.cli import text_prompts
 from deployments.bench.report import Slo, summarize, summarize_group
 from deployments.bench.runner import Limits, run_closed_loop, run_open_loop
-from deployments.bench.workload import ClassSpec, LengthRange, PrefixGroups, Workload
+from deployments.bench.workload import (
+    ClassSpec,
+    LengthRange,
+    PrefixGroups,
+    RequestSpec,
+    Workload,
+)
 from tests.perf.peers import ENV, MODEL_DIR, NAME, vllm_command
 
 RESULTS = Path(__file__).parent / "results"
@@ -262,26 +270,25 @@ async def drive(
     n: int = 0,
     warmup: int = 0,
     duration_s: float | None = None,
+    requests: Iterator[RequestSpec] | None = None,
 ) -> dict[str, Any]:
     """Runs ``workload`` on ``backend`` (then closes it) and summarizes: closed loop
     at ``concurrency`` for ``n`` requests after ``warmup`` unrecorded ones, or open
-    loop for ``duration_s`` when no concurrency is given."""
+    loop for ``duration_s`` when no concurrency is given.
+
+    The warmup's requests are the stream's first, and the recorded ones follow
+    them: none is sent twice, so no server answers a recorded prompt from a cache
+    the warmup filled. ``requests`` continues a stream an earlier call began."""
+    stream = workload.requests() if requests is None else requests
     try:
         if concurrency is None:
             limits = Limits(duration_s=duration_s)
-            records, duration = await run_open_loop(
-                backend, workload.requests(), limits
-            )
+            records, duration = await run_open_loop(backend, stream, limits)
         else:
             if warmup:
-                await run_closed_loop(
-                    backend, workload.requests(), concurrency, Limits(warmup)
-                )
+                await run_closed_loop(backend, stream, concurrency, Limits(warmup))
             records, duration = await run_closed_loop(
-                backend,
-                workload.requests(),
-                concurrency,
-                Limits(n or None, duration_s),
+                backend, stream, concurrency, Limits(n or None, duration_s)
             )
     finally:
         await backend.close()
@@ -295,6 +302,7 @@ async def closed(
     warmup: int = 2,
     grpc: bool = False,
     duration_s: float | None = None,
+    requests: Iterator[RequestSpec] | None = None,
 ) -> Any:
     """Closed loop: ``n`` requests, or as many as ``duration_s`` allows (n=0)."""
     backend: Backend = (
@@ -308,6 +316,7 @@ async def closed(
         n=n,
         warmup=warmup,
         duration_s=duration_s,
+        requests=requests,
     )
 
 
@@ -379,11 +388,21 @@ def run_peer(
         out[f"startup_s_{replicas}"] = server.startup_s
         try:
             if "S1" in todo:
-                out["S1"] = asyncio.run(closed(S1, concurrency=1, n=S1_N))
-                out["S1c4"] = asyncio.run(closed(S1, concurrency=4, n=4 * S1_N))
-                if peer.key.startswith("moe"):  # the gRPC API, the same requests
-                    out["S1g"] = asyncio.run(closed(S1, 1, S1_N, grpc=True))
-                    out["S1gc4"] = asyncio.run(closed(S1, 4, 4 * S1_N, grpc=True))
+                # One stream of prompts for the server's four points, each point
+                # continuing where the last stopped: a prompt sent again would be
+                # answered from whatever prefix cache the server keeps, which S1
+                # (serving overhead) must not measure. Every peer gets the same
+                # prompts at the same point.
+                s1 = S1.requests()
+                out["S1"] = asyncio.run(closed(S1, 1, S1_N, requests=s1))
+                out["S1c4"] = asyncio.run(closed(S1, 4, 4 * S1_N, requests=s1))
+                if peer.key.startswith("moe"):  # the gRPC API, requests alike
+                    out["S1g"] = asyncio.run(
+                        closed(S1, 1, S1_N, grpc=True, requests=s1)
+                    )
+                    out["S1gc4"] = asyncio.run(
+                        closed(S1, 4, 4 * S1_N, grpc=True, requests=s1)
+                    )
             if "S2" in todo:
                 if "rate" not in capacity:  # the first peer's capacity sets the load
                     w = Workload((FLOOD_SHAPE,), seed=4)

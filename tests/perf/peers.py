@@ -120,6 +120,7 @@ def serve_moe_cluster(
     server_settings: str = "{}",
     engine: dict[str, object] | None = None,
     scalable: bool = False,
+    kvstore_settings: str = "{}",
 ) -> str:
     import ray
 
@@ -138,6 +139,7 @@ def serve_moe_cluster(
                 "server": {"http_port": port, "grpc_port": port + 1}
                 | json.loads(server_settings),
                 "router": {"enabled": router} | json.loads(router_settings),
+                "kvstore": json.loads(kvstore_settings),
             }
         )
     )
@@ -194,6 +196,9 @@ def main() -> None:
         "--server-json", default="{}", help="moe-cluster: server settings (JSON)"
     )
     p.add_argument(
+        "--kvstore-json", default="{}", help="moe-cluster: page store settings (JSON)"
+    )
+    p.add_argument(
         "--scalable",
         action="store_true",
         help="the engines' replica count is set from outside; SIGUSR1 adds one",
@@ -225,6 +230,7 @@ def main() -> None:
             args.server_json,
             engine,
             args.scalable,
+            args.kvstore_json,
         )
     if args.scalable:
         signal.signal(

@@ -1,10 +1,11 @@
 """Where S1's time goes: CPU per process, and py-spy's top frames, under one stream.
 
     .venv/bin/python -m tests.perf.s1_profile [moe|vllm] [--engine-json J]
-        [--router-json J] [--pyspy SECONDS] [--grpc]
+        [--router-json J] [--kvstore-json J] [--pyspy SECONDS] [--grpc]
 
 Starts one system as ``make bench-peers`` does (one replica, one core), runs S1
-(128 prompt tokens, 64 output tokens) closed loop at concurrency 1 and 4, and
+(128 prompt tokens, 64 output tokens) closed loop at concurrency 1 and 4 (every
+prompt new to the server, so no prefix cache answers any of it), and
 meanwhile samples every process the system started: CPU seconds per process
 (grouped by its title: the Serve proxy, the ingress and engine replicas, vLLM's
 EngineCore, the router, Ray's own daemons) per request served. With ``--pyspy``
@@ -122,6 +123,11 @@ def pyspy(pids: dict[int, str], seconds: int, out: Path) -> list[Any]:
     ]
 
 
+# One stream of S1 prompts for the server's whole run: a prompt sent twice would be
+# answered in part from a prefix cache (vLLM's, or moe-cluster's page store).
+PROMPTS = S1.requests()
+
+
 async def run(
     backend_grpc: bool, concurrency: int, n: int, duration_s: float | None = None
 ) -> dict[str, Any]:
@@ -129,9 +135,9 @@ async def run(
         GrpcBackend(f"127.0.0.1:{PORT + 1}") if backend_grpc else backend_for_peers()
     )
     try:
-        await run_closed_loop(backend, S1.requests(), concurrency, Limits(4))
+        await run_closed_loop(backend, PROMPTS, concurrency, Limits(4))
         records, duration = await run_closed_loop(
-            backend, S1.requests(), concurrency, Limits(n, duration_s)
+            backend, PROMPTS, concurrency, Limits(n, duration_s)
         )
     finally:
         await backend.close()
@@ -144,6 +150,7 @@ def main() -> None:
     p.add_argument("system", choices=["moe", "vllm", "rsllm"], default="moe")
     p.add_argument("--engine-json", default="{}")
     p.add_argument("--router-json", default="{}")
+    p.add_argument("--kvstore-json", default="{}", help="moe: page store settings")
     p.add_argument("--grpc", action="store_true", help="moe-cluster over gRPC")
     p.add_argument("--pyspy", type=int, default=0, help="seconds of py-spy at c=1")
     p.add_argument("--requests", type=int, default=48)
@@ -156,6 +163,7 @@ def main() -> None:
     extra = args.server_args.split()
     if args.system == "moe":
         extra += ["--engine-json", args.engine_json, "--router-json", args.router_json]
+        extra += ["--kvstore-json", args.kvstore_json]
     peer = Peer(
         base.key,
         base.label,

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ import yaml
 from deployments.bench.backends import GrpcBackend
 from deployments.bench.report import Slo, summarize
 from deployments.bench.runner import Limits, run_closed_loop
-from deployments.bench.workload import ClassSpec, LengthRange, Workload
+from deployments.bench.workload import ClassSpec, LengthRange, RequestSpec, Workload
 from tests.otlp_receiver import OTLPReceiver
 
 CONFIG = Path("cluster/configs/tiny-cpu.yaml")
@@ -117,15 +118,23 @@ def cluster_cpu_s(root: int) -> float:
     return total
 
 
-async def s1(target: str, concurrency: int, n: int, root: int) -> dict[str, Any]:
+async def s1(
+    target: str,
+    concurrency: int,
+    n: int,
+    root: int,
+    prompts: Iterator[RequestSpec],
+) -> dict[str, Any]:
     """The S1 summary, plus ``cpu_ms_per_request``: the cluster's CPU time per
-    request, less noisy on a shared machine than tokens per second."""
+    request, less noisy on a shared machine than tokens per second. ``prompts``
+    goes on from the cluster's last point: none is sent twice (the page store
+    would answer it)."""
     backend = GrpcBackend(target)
     try:
-        await run_closed_loop(backend, S1.requests(), concurrency, Limits(4))
+        await run_closed_loop(backend, prompts, concurrency, Limits(4))
         cpu = cluster_cpu_s(root)
         records, duration = await run_closed_loop(
-            backend, S1.requests(), concurrency, Limits(n)
+            backend, prompts, concurrency, Limits(n)
         )
         cpu = cluster_cpu_s(root) - cpu
     finally:
@@ -140,8 +149,9 @@ def phase(
     cluster = Cluster(receiver.endpoint if traced else None, logs / f"{name}.log")
     try:
         before = len(receiver.spans())
+        target, prompts = f"127.0.0.1:{cluster.grpc}", S1.requests()
         out = {
-            c: asyncio.run(s1(f"127.0.0.1:{cluster.grpc}", c, n, cluster.proc.pid))
+            c: asyncio.run(s1(target, c, n, cluster.proc.pid, prompts))
             for c, n in ((1, 24), (4, 48))
         }
         time.sleep(2)  # the last batches of spans
