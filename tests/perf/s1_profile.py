@@ -1,7 +1,7 @@
 """Where S1's time goes: CPU per process, and py-spy's top frames, under one stream.
 
     .venv/bin/python -m tests.perf.s1_profile [moe|vllm] [--engine-json J]
-        [--router-json J] [--kvstore-json J] [--pyspy SECONDS] [--grpc]
+        [--router-json J] [--kvstore-json J] [--pyspy SECONDS] [--grpc] [--vllm-stats]
 
 Starts one system as ``make bench-peers`` does (one replica, one core), runs S1
 (128 prompt tokens, 64 output tokens) closed loop at concurrency 1 and 4 (every
@@ -158,16 +158,23 @@ def main() -> None:
     p.add_argument(
         "--server-args", default="", help="more arguments for the server (vllm)"
     )
+    p.add_argument(
+        "--vllm-stats",
+        action="store_true",
+        help="bare vLLM keeps its per-step statistics and Prometheus metrics, as "
+        "moe-cluster's engines do (make bench-peers runs it with --disable-log-stats)",
+    )
     args = p.parse_args()
     base = next(peer for peer in PEERS if peer.key == args.system)
     extra = args.server_args.split()
     if args.system == "moe":
         extra += ["--engine-json", args.engine_json, "--router-json", args.router_json]
         extra += ["--kvstore-json", args.kvstore_json]
+    drop = {"--disable-log-stats"} if args.vllm_stats else set()
     peer = Peer(
         base.key,
         base.label,
-        lambda r: [*base.command(r), *extra],
+        lambda r: [*(a for a in base.command(r) if a not in drop), *extra],
         base.scenarios,
         base.uses_ray,
     )
