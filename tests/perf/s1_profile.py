@@ -28,18 +28,7 @@ from typing import Any
 
 import psutil
 
-from deployments.bench.backends import GrpcBackend
-from deployments.bench.report import summarize
-from deployments.bench.runner import Limits, run_closed_loop
-from tests.perf.compare_peers import (
-    PEERS,
-    PORT,
-    REALTIME_SLO,
-    S1,
-    Peer,
-    Server,
-    backend_for_peers,
-)
+from tests.perf.compare_peers import PEERS, S1, Peer, Server, closed
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -131,18 +120,10 @@ PROMPTS = S1.requests()
 async def run(
     backend_grpc: bool, concurrency: int, n: int, duration_s: float | None = None
 ) -> dict[str, Any]:
-    backend = (
-        GrpcBackend(f"127.0.0.1:{PORT + 1}") if backend_grpc else backend_for_peers()
+    summary = await closed(
+        S1, concurrency, n, 4, backend_grpc, duration_s, requests=PROMPTS
     )
-    try:
-        await run_closed_loop(backend, PROMPTS, concurrency, Limits(4))
-        records, duration = await run_closed_loop(
-            backend, PROMPTS, concurrency, Limits(n, duration_s)
-        )
-    finally:
-        await backend.close()
-    summary: dict[str, Any] = summarize(records, duration, REALTIME_SLO)["all"]
-    return summary
+    return dict(summary["all"])
 
 
 def main() -> None:
