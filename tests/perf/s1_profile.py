@@ -1,7 +1,8 @@
 """Where S1's time goes: CPU per process, and py-spy's top frames, under one stream.
 
     .venv/bin/python -m tests.perf.s1_profile [moe|vllm] [--engine-json J]
-        [--router-json J] [--kvstore-json J] [--pyspy SECONDS] [--grpc] [--vllm-stats]
+        [--router-json J] [--kvstore-json J] [--pyspy SECONDS] [--grpc]
+        [--vllm-no-stats]
 
 Starts one system as ``make bench-peers`` does (one replica, one core), runs S1
 (128 prompt tokens, 64 output tokens) closed loop at concurrency 1 and 4 (every
@@ -140,10 +141,10 @@ def main() -> None:
         "--server-args", default="", help="more arguments for the server (vllm)"
     )
     p.add_argument(
-        "--vllm-stats",
+        "--vllm-no-stats",
         action="store_true",
-        help="bare vLLM keeps its per-step statistics and Prometheus metrics, as "
-        "moe-cluster's engines do (make bench-peers runs it with --disable-log-stats)",
+        help="bare vLLM without its per-step statistics and Prometheus metrics "
+        "(--disable-log-stats), which moe-cluster's engines keep",
     )
     args = p.parse_args()
     base = next(peer for peer in PEERS if peer.key == args.system)
@@ -151,11 +152,12 @@ def main() -> None:
     if args.system == "moe":
         extra += ["--engine-json", args.engine_json, "--router-json", args.router_json]
         extra += ["--kvstore-json", args.kvstore_json]
-    drop = {"--disable-log-stats"} if args.vllm_stats else set()
+    if args.vllm_no_stats:
+        extra.append("--disable-log-stats")
     peer = Peer(
         base.key,
         base.label,
-        lambda r: [*(a for a in base.command(r) if a not in drop), *extra],
+        lambda r: [*base.command(r), *extra],
         base.scenarios,
         base.uses_ray,
     )
