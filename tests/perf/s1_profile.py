@@ -134,7 +134,10 @@ def main() -> None:
     p.add_argument("--router-json", default="{}")
     p.add_argument("--kvstore-json", default="{}", help="moe: page store settings")
     p.add_argument("--grpc", action="store_true", help="moe-cluster over gRPC")
-    p.add_argument("--pyspy", type=int, default=0, help="seconds of py-spy at c=1")
+    p.add_argument("--pyspy", type=int, default=0, help="seconds of py-spy")
+    p.add_argument(
+        "--pyspy-concurrency", type=int, default=1, help="streams while py-spy runs"
+    )
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--label", default="")
     p.add_argument(
@@ -179,7 +182,8 @@ def main() -> None:
                 or "api_server" in name
             }
             spies = pyspy(busy, args.pyspy, logs)
-            asyncio.run(run(args.grpc, 1, 1_000_000, args.pyspy + 2.0))
+            duration = args.pyspy + 2.0
+            asyncio.run(run(args.grpc, args.pyspy_concurrency, 1_000_000, duration))
             for spy in spies:
                 spy.wait()
             for pid, name in busy.items():
