@@ -54,6 +54,7 @@ class Span:
     status_message: str
     service: str  # the resource's service.name
     resource: dict[str, Any] = field(default_factory=dict)
+    event_ns: list[int] = field(default_factory=list)  # each event's time
 
     @property
     def error(self) -> bool:
@@ -92,6 +93,7 @@ class _Servicer(trace_service_pb2_grpc.TraceServiceServicer):
                             status_message=s.status.message,
                             service=str(resource.get("service.name", "")),
                             resource=resource,
+                            event_ns=[e.time_unix_nano for e in s.events],
                         )
                     )
         lines = "".join(json.dumps(dataclasses.asdict(s)) + "\n" for s in spans)
