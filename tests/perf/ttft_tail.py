@@ -12,10 +12,14 @@ each request's time to first token at the ingress (its span's
 - ``admit``: the router's admission (``router.admit``), its queue wait included;
 - ``to_engine``: from the ingress span's start to the engine replica's
   ``engine.generate`` (tokenizing, admission, Serve's handle call);
+- ``vllm_in``: from the request reaching vLLM's ``AsyncLLM`` to its engine core
+  taking it in (the core reads new requests between steps, so this holds the
+  rest of the step under way);
 - ``vllm_queue``: in vLLM's waiting queue (``moe_cluster.engine.queued_s``);
-- ``vllm_first``: vLLM's own time to first token, from the request reaching
-  ``AsyncLLM`` (``moe_cluster.engine.time_to_first_token_s``), which holds the
-  queue and the prefill step;
+- ``vllm_prefill``: from its first scheduling to its first token
+  (``moe_cluster.engine.prefill_s``);
+- ``vllm_first``: vLLM's own time to first token, from ``AsyncLLM``
+  (``moe_cluster.engine.time_to_first_token_s``): the three above;
 - ``engine_first``: from ``engine.generate``'s start to its ``first_token`` event;
 - ``back``: from the engine replica's first token to the ingress's.
 
@@ -38,7 +42,9 @@ HOPS = (
     "ttfc",
     "admit",
     "to_engine",
+    "vllm_in",
     "vllm_queue",
+    "vllm_prefill",
     "vllm_first",
     "engine_first",
     "back",
@@ -69,11 +75,10 @@ def requests(path: Path) -> list[Request]:
         traces.setdefault(span["trace_id"], []).append(span)
     out = []
     for trace_id, spans in traces.items():
-        ids = {s["span_id"] for s in spans}
-        roots = [
-            s for s in spans if QOS in s["attributes"] and s["parent_id"] not in ids
-        ]
-        if not roots or TTFC not in roots[0]["attributes"]:
+        # The ingress's request span: the one that records the first chunk (the
+        # engine's span carries the class too).
+        roots = [s for s in spans if TTFC in s["attributes"] and QOS in s["attributes"]]
+        if not roots:
             continue
         root = roots[0]
         start = root["start_ns"]
@@ -87,8 +92,14 @@ def requests(path: Path) -> list[Request]:
             hops["to_engine"] = (engine["start_ns"] - start) / 1e6
             if "moe_cluster.engine.queued_s" in a:
                 hops["vllm_queue"] = 1e3 * a["moe_cluster.engine.queued_s"]
+            if "moe_cluster.engine.prefill_s" in a:
+                hops["vllm_prefill"] = 1e3 * a["moe_cluster.engine.prefill_s"]
             if "moe_cluster.engine.time_to_first_token_s" in a:
                 hops["vllm_first"] = 1e3 * a["moe_cluster.engine.time_to_first_token_s"]
+                if "vllm_queue" in hops and "vllm_prefill" in hops:
+                    hops["vllm_in"] = (
+                        hops["vllm_first"] - hops["vllm_queue"] - hops["vllm_prefill"]
+                    )
             first = _event_ns(engine, "first_token")
             root_first = _event_ns(root, "first_token")
             if first is not None:
