@@ -96,6 +96,16 @@ class EngineConfig(_Strict):
         "background requests idles this fraction of its time, and the cores go "
         "to the realtime one. 0: off.",
     )
+    background_prefill_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="While only background requests have prompt tokens to "
+        "compute, an engine step computes at most this many of them (besides one "
+        "token per running request), so a realtime request arriving mid-step "
+        "waits for a short step, not for a burst of background prompts; the rest "
+        "follow in the next steps (chunked prefill). None: vLLM's "
+        "max_num_batched_tokens.",
+    )
     block_size: int | Literal["auto"] = Field(
         "auto",
         description="Tokens per KV block, and per page of the KV store. auto: 128 "

@@ -42,11 +42,13 @@ CPU_BACKENDS = (Backend.AMX_MLA.value, Backend.CPU_MLA.value)
 
 
 WORKER_EXTENSION = "deployments.engine.expert_load.ExpertLoadExtension"
-# engine.realtime_batch_mates, engine.background_cpu_yield: vLLM's scheduler with
-# the guard, and its settings.
+# engine.realtime_batch_mates, engine.background_cpu_yield,
+# engine.background_prefill_tokens: vLLM's scheduler with the guard, and its
+# settings.
 GUARDED_SCHEDULER = "deployments.engine.scheduler.guarded_scheduler"
 BATCH_MATES_KEY = "moe_cluster_realtime_batch_mates"
 CPU_YIELD_KEY = "moe_cluster_background_cpu_yield"
+PREFILL_CAP_KEY = "moe_cluster_background_prefill_tokens"
 
 
 def engine_args(
@@ -77,6 +79,8 @@ def engine_args(
         guard[BATCH_MATES_KEY] = config.realtime_batch_mates
     if config.background_cpu_yield > 0:
         guard[CPU_YIELD_KEY] = config.background_cpu_yield
+    if config.background_prefill_tokens is not None:
+        guard[PREFILL_CAP_KEY] = config.background_prefill_tokens
     if guard:
         guard = {"scheduler_cls": GUARDED_SCHEDULER, "additional_config": guard}
     executor = {}

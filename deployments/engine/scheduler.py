@@ -15,6 +15,17 @@ scheduler's own arguments, so ``guarded_scheduler`` picks, per engine, the guard
 over the class vLLM would have used (``AsyncScheduler`` when async scheduling is
 on). ``K`` comes in the engine's ``additional_config`` (``BATCH_MATES_KEY``).
 
+With ``engine.background_prefill_tokens = T``, a step in which only background
+requests have prompt tokens to compute (none more urgent waits or is still
+prefilling) computes at most ``T`` of them, besides one token for each running
+request: a realtime request that arrives in the middle of a step waits for that
+step before its own, and without the cap a step that admits a burst of
+background prompts computes up to ``max_num_batched_tokens`` of them. The rest
+of those prompts follow in the next steps, so background loses only the steps'
+fixed cost. Where vLLM chunks prompts the cap is exact; where it does not (it
+turns chunked prefill off for MLA on a CPU without AMX) a step takes whole
+prompts up to ``T`` tokens, and always at least one.
+
 The guard shares a batch; on a CPU node the engines also share the cores. With
 ``engine.background_cpu_yield = f``, an engine holding only background requests,
 while another engine on the node holds a realtime one (``realtime_board``),
@@ -35,7 +46,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from cluster.qos import QoS
-from deployments.engine.args import BATCH_MATES_KEY, CPU_YIELD_KEY
+from deployments.engine.args import BATCH_MATES_KEY, CPU_YIELD_KEY, PREFILL_CAP_KEY
 from deployments.engine.realtime_board import RealtimeBoard
 
 _REALTIME = int(QoS.REALTIME)
@@ -51,7 +62,10 @@ class _RealtimeGuard:
     kv_holding_waiting: Any
     current_step: int
     max_num_active_reqs: int
+    max_num_scheduled_tokens: int
+    scheduler_config: Any
     _batch_mates: int | None
+    _prefill_cap: int | None
     _cpu_yield: float
     _board: RealtimeBoard | None
     _stepped_at: float | None
@@ -62,30 +76,46 @@ class _RealtimeGuard:
         extra = vllm_config.additional_config or {}
         mates = extra.get(BATCH_MATES_KEY)
         self._batch_mates = None if mates is None else int(mates)
+        cap = extra.get(PREFILL_CAP_KEY)
+        self._prefill_cap = None if cap is None else int(cap)
         self._cpu_yield = float(extra.get(CPU_YIELD_KEY, 0.0))
         self._board = RealtimeBoard() if self._cpu_yield > 0 else None
         self._stepped_at = None  # when the last step began
         self.guarded_steps = 0  # steps that held background back
+        self.capped_steps = 0  # steps whose background prefill was capped
         self.yielded_s = 0.0  # time idled for realtime in other engines
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         top = self._most_urgent()
         if self._board is not None:
             self._give_way(top)
-        held = None
+        active, budget = self.max_num_active_reqs, self.max_num_scheduled_tokens
         if top == _REALTIME and self._batch_mates is not None:
             held = self._hold_background(self._batch_mates)
-        if held is None:
-            return super().schedule(*args, **kwargs)  # type: ignore[misc]
-        self.guarded_steps += 1
-        active = self.max_num_active_reqs
-        # No new background prefill: the waiting queues pop by priority, so
-        # room for the realtime and normal ones waiting admits only them.
-        self.max_num_active_reqs = min(active, len(self.running) + held)
+            self.guarded_steps += 1
+            # No new background prefill: the waiting queues pop by priority, so
+            # room for the realtime and normal ones waiting admits only them.
+            self.max_num_active_reqs = min(active, len(self.running) + held)
+        elif self._prefill_cap is not None and top != _REALTIME:
+            longest = self._background_prompt_left()
+            if longest is not None:
+                # One token for each running request (a decode, or a chunk of a
+                # background prompt), and the cap for background prompts. Where
+                # vLLM does not chunk prompts (MLA on a CPU without AMX), one
+                # that does not fit waits for good: the step takes whole
+                # prompts up to the cap, and at least one.
+                cap = self._prefill_cap
+                if not self.scheduler_config.enable_chunked_prefill:
+                    cap = max(cap, longest)
+                capped = len(self.running) + cap
+                if capped < budget:
+                    self.capped_steps += 1
+                    self.max_num_scheduled_tokens = capped
         try:
             return super().schedule(*args, **kwargs)  # type: ignore[misc]
         finally:
             self.max_num_active_reqs = active
+            self.max_num_scheduled_tokens = budget
 
     def shutdown(self) -> None:
         if self._board is not None:
@@ -107,6 +137,23 @@ class _RealtimeGuard:
             if top is None or r.priority < top:
                 top = r.priority
         return top
+
+    def _background_prompt_left(self) -> int | None:
+        """The most prompt tokens a request has left to compute, if some are
+        left and all of them are background requests' (waiting, or running
+        mid-prompt); None otherwise."""
+        # A waiting request computes all its tokens (a preempted one's output
+        # too); a running one its prompt's rest, if it is mid-prompt.
+        left = [(r, r.num_tokens - r.num_computed_tokens) for r in self._waiting()]
+        left += [(r, r.num_prompt_tokens - r.num_computed_tokens) for r in self.running]
+        longest = None
+        for r, n in left:
+            if n <= 0:
+                continue
+            if r.priority < _BACKGROUND:
+                return None
+            longest = max(n, longest or 0)
+        return longest
 
     def _give_way(self, top: int | None) -> None:
         """Marks the board while this engine holds realtime; sleeps after a

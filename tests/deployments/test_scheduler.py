@@ -1,7 +1,9 @@
 """The realtime guard over vLLM's scheduler, against a stand-in that schedules as
-vLLM's does in the two ways the guard uses: a running request decodes in a step
-only from its ``next_decode_eligible_step``, and waiting requests are admitted
-by priority while the running ones number under ``max_num_active_reqs``."""
+vLLM's does in the three ways the guard uses: a running request decodes in a step
+only from its ``next_decode_eligible_step``, waiting requests are admitted by
+priority while the running ones number under ``max_num_active_reqs``, and a
+step computes at most ``max_num_scheduled_tokens`` tokens, running requests
+first (a prompt is chunked across steps)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import pytest
 
 from cluster.qos import QoS
 from deployments.engine import realtime_board, scheduler
-from deployments.engine.args import BATCH_MATES_KEY, CPU_YIELD_KEY
+from deployments.engine.args import BATCH_MATES_KEY, CPU_YIELD_KEY, PREFILL_CAP_KEY
 from deployments.engine.scheduler import MAX_STEP_S, _RealtimeGuard
 
 RT, NORMAL, BG = int(QoS.REALTIME), int(QoS.NORMAL), int(QoS.BACKGROUND)
@@ -29,30 +31,59 @@ class Req:
     name: str
     priority: int
     next_decode_eligible_step: int = 0
+    num_prompt_tokens: int = 1
+    num_computed_tokens: int = 0  # a waiting request's: none yet
+
+    @property
+    def num_tokens(self) -> int:  # prompt and output (none here)
+        return self.num_prompt_tokens
+
+
+def _running(r: Req) -> Req:
+    r.num_computed_tokens = r.num_prompt_tokens  # decoding
+    return r
 
 
 class StandIn:
     def __init__(self, running: list[Req], waiting: list[Req]) -> None:
         self.running = running
+        for r in running:
+            if r.num_computed_tokens == 0:
+                _running(r)
         self.waiting = waiting
         self.kv_holding_waiting: list[Req] = []
         self.current_step = 0
         self.max_num_active_reqs = 8
+        self.max_num_scheduled_tokens = 2048
+        self.scheduler_config = SimpleNamespace(enable_chunked_prefill=True)
+        self.tokens: dict[str, int] = {}  # what each request computed last step
+
+    def _take(self, r: Req, budget: int) -> int:
+        n = min(max(1, r.num_prompt_tokens - r.num_computed_tokens), budget)
+        r.num_computed_tokens += n
+        self.tokens[r.name] = n
+        return n
 
     def schedule(self) -> tuple[list[str], list[str]]:
         """(requests decoded, requests admitted) this step."""
         self.current_step += 1
-        decoded = [
-            r.name
-            for r in self.running
-            if self.current_step >= r.next_decode_eligible_step
-        ]
+        self.tokens = {}
+        budget = self.max_num_scheduled_tokens
+        decoded = []
+        for r in self.running:
+            if self.current_step >= r.next_decode_eligible_step and budget > 0:
+                budget -= self._take(r, budget)
+                decoded.append(r.name)
         admitted = []
+        chunked = self.scheduler_config.enable_chunked_prefill
         for r in sorted(self.waiting, key=lambda r: r.priority):
-            if len(self.running) >= self.max_num_active_reqs:
+            if len(self.running) >= self.max_num_active_reqs or budget <= 0:
                 break
+            if not chunked and r.num_prompt_tokens > budget:
+                break  # vLLM's way: a prompt that does not fit waits
             self.waiting.remove(r)
             self.running.append(r)
+            budget -= self._take(r, budget)
             admitted.append(r.name)
         return decoded, admitted
 
@@ -64,6 +95,7 @@ class Guarded(_RealtimeGuard, StandIn):
         waiting: list[Req],
         mates: int | None,
         cpu_yield: float | None = None,
+        prefill_cap: int | None = None,
     ) -> None:
         StandIn.__init__(self, running, waiting)
         extra: dict[str, Any] = {}
@@ -71,6 +103,8 @@ class Guarded(_RealtimeGuard, StandIn):
             extra[BATCH_MATES_KEY] = mates
         if cpu_yield is not None:
             extra[CPU_YIELD_KEY] = cpu_yield
+        if prefill_cap is not None:
+            extra[PREFILL_CAP_KEY] = prefill_cap
         self._init_guard(SimpleNamespace(additional_config=extra))
 
 
@@ -110,6 +144,74 @@ def test_a_realtime_request_still_waiting_already_holds_background() -> None:
     decoded, admitted = s.schedule()
     assert decoded == []  # its first step is its own prefill
     assert admitted == ["rt"]
+
+
+def _prompts(n: int, priority: int, tokens: int, name: str = "bg-new") -> list[Req]:
+    return [Req(f"{name}{i}", priority, num_prompt_tokens=tokens) for i in range(n)]
+
+
+def test_a_burst_of_background_prompts_is_spread_over_capped_steps() -> None:
+    s = Guarded(_bg(2), _prompts(3, BG, 150), mates=0, prefill_cap=100)
+    decoded, admitted = s.schedule()
+    assert decoded == ["bg0", "bg1"]
+    assert admitted == ["bg-new0"]
+    assert s.tokens == {"bg0": 1, "bg1": 1, "bg-new0": 100}
+    assert s.max_num_scheduled_tokens == 2048  # restored after the step
+    # bg-new0 is mid-prompt: the next step is capped too, and the rest of its
+    # prompt comes first.
+    s.schedule()
+    assert s.tokens == {"bg0": 1, "bg1": 1, "bg-new0": 50, "bg-new1": 51}
+    assert s.capped_steps == 2
+    for _ in range(3):
+        s.schedule()
+    assert all(r.num_computed_tokens >= r.num_prompt_tokens for r in s.running)
+    assert len(s.running) == 5 and not s.waiting
+    # Nothing left to prefill: decode steps are not capped.
+    capped = s.capped_steps
+    s.schedule()
+    assert s.capped_steps == capped
+    assert set(s.tokens.values()) == {1}
+
+
+def test_where_prompts_are_not_chunked_a_capped_step_takes_whole_ones() -> None:
+    waiting = [*_prompts(2, BG, 150), *_prompts(2, BG, 20, "short")]
+    s = Guarded(_bg(2), waiting, mates=0, prefill_cap=100)
+    s.scheduler_config.enable_chunked_prefill = False
+    # The longest prompt left sets the step's room: one of 150 (no short one
+    # fits beside it), then the other, then both short ones.
+    assert s.schedule()[1] == ["bg-new0"]
+    assert s.tokens["bg-new0"] == 150
+    assert s.schedule()[1] == ["bg-new1"]
+    assert s.schedule()[1] == ["short0", "short1"]
+    assert s.capped_steps == 3
+    assert not s.waiting
+
+
+@pytest.mark.parametrize(
+    ("waiting", "running"),
+    [
+        (_prompts(1, NORMAL, 150, "n") + _prompts(2, BG, 150), []),
+        (_prompts(1, RT, 150, "rt") + _prompts(2, BG, 150), []),
+        (_prompts(2, BG, 150), [Req("n", NORMAL, num_prompt_tokens=300)]),
+    ],
+    ids=["normal-waits", "realtime-waits", "normal-mid-prompt"],
+)
+def test_a_step_with_a_more_urgent_prompt_is_not_capped(
+    waiting: list[Req], running: list[Req]
+) -> None:
+    for r in running:
+        r.num_computed_tokens = 100  # mid-prompt
+    s = Guarded([*_bg(2), *running], waiting, mates=None, prefill_cap=64)
+    s.schedule()
+    assert s.capped_steps == 0
+    assert sum(s.tokens.values()) > 64 + len(s.running)
+
+
+def test_without_the_cap_a_burst_is_one_step() -> None:
+    s = Guarded(_bg(2), _prompts(3, BG, 150), mates=0)
+    _, admitted = s.schedule()
+    assert admitted == ["bg-new0", "bg-new1", "bg-new2"]
+    assert s.capped_steps == 0
 
 
 def test_the_engine_core_gets_the_guard_over_the_scheduler_vllm_would_pick(

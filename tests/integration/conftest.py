@@ -47,11 +47,13 @@ ENGINE: dict[str, Any] = {
     "max_num_seqs": 16,
     "enforce_eager": True,
     "omp_num_threads": 1,
-    # One background request decodes beside realtime, and an engine with only
-    # background idles 80% of its time while the other holds realtime
-    # (test_batch_guard.py).
+    # One background request decodes beside realtime, an engine with only
+    # background idles 80% of its time while the other holds realtime, and a
+    # step computes at most 4 tokens of background prompts, or one whole prompt
+    # where vLLM does not chunk them (test_batch_guard.py).
     "realtime_batch_mates": 1,
     "background_cpu_yield": 0.8,
+    "background_prefill_tokens": 4,
 }
 # What the session's engines run with on this machine (they report it back).
 PLATFORM: EnginePlatform = ClusterConfig.model_validate(

@@ -1,17 +1,23 @@
-"""``engine.realtime_batch_mates`` and ``engine.background_cpu_yield`` on real
-engines: the session's engines let one background request decode beside a
-realtime one (the setting is 1), and an engine with only background requests
-idles 80% of its time while the other holds a realtime one. While a realtime
-stream runs on a replica with two background streams, one of those pauses (no
-tokens for about the realtime stream's length) and then goes on, and the two on
-the other replica slow down; every stream ends with the tokens of an
-uninterrupted greedy run."""
+"""``engine.realtime_batch_mates``, ``engine.background_cpu_yield`` and
+``engine.background_prefill_tokens`` on real engines: the session's engines let
+one background request decode beside a realtime one (the setting is 1), an
+engine with only background requests idles 80% of its time while the other
+holds a realtime one, and a step computes at most 4 tokens of background
+prompts (one whole prompt where vLLM does not chunk them: CPU_MLA).
+
+While a realtime stream runs on a replica with two background streams, one of
+those pauses (no tokens for about the realtime stream's length) and then goes
+on, and the two on the other replica slow down; every stream ends with the
+tokens of an uninterrupted greedy run. Background prompts computed under that
+cap end with the greedy run's tokens too."""
 
 from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
+from cluster.tiny_model import greedy_chain, greedy_successors
 from deployments.proto import inference_pb2 as pb
 from tests.integration import streams
 from tests.integration.conftest import ENGINE, Served
@@ -22,11 +28,16 @@ REALTIME_TOKENS = 400
 
 
 def _run(
-    served: Served, rid: str, qos: int, max_tokens: int, out: streams.Stream
+    served: Served,
+    rid: str,
+    qos: int,
+    max_tokens: int,
+    out: streams.Stream,
+    prompt: list[int] = PROMPT,
 ) -> None:
     request = pb.GenerateRequest(
         request_id=rid,
-        token_ids=pb.TokenIds(ids=PROMPT),
+        token_ids=pb.TokenIds(ids=prompt),
         sampling=pb.SamplingParams(
             max_tokens=max_tokens, temperature=0, ignore_eos=True
         ),
@@ -99,3 +110,30 @@ def _pace(s: streams.Stream, t0: float, t1: float) -> float:
         return came / (t1 - t0)
     first, last = inside[0], inside[-1]
     return (s.ends[last] - s.ends[first]) / (s.at[last] - s.at[first])
+
+
+def test_background_prompts_computed_a_few_tokens_a_step_lose_nothing(
+    served: Served, tiny_model: Path
+) -> None:
+    # 4 tokens a step: each 60-token prompt takes 15 steps or more, beside the
+    # others' (one prompt a step where vLLM does not chunk them). Each prompt is
+    # its own, so no cached prefix shortens it.
+    assert ENGINE["background_prefill_tokens"] == 4
+    prompts = {f"cap-bg-{i}": [100 + i, *range(200, 259)] for i in range(4)}
+    out = {rid: streams.Stream() for rid in prompts}
+    threads = [
+        threading.Thread(
+            target=_run,
+            args=(served, rid, pb.BACKGROUND, 8, out[rid], prompt),
+            daemon=True,
+        )
+        for rid, prompt in prompts.items()
+    ]
+    for t in threads:
+        t.start()
+    streams.join(threads)
+    expected = greedy_chain(greedy_successors(tiny_model), prompts["cap-bg-0"][-1], 8)
+    for rid, s in out.items():
+        assert s.tokens == expected, rid
+        assert s.finished.prompt_tokens == 60, rid
+        assert s.finished.cached_tokens == 0, rid

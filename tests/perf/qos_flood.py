@@ -3,6 +3,7 @@
     .venv/bin/python -m tests.perf.qos_flood [--capacity REQ_S] [--duration 30]
         [--modes router,guard,yield,no-router]  # QOS_FLOOD_BATCH_MATES=0: K
                                                 # QOS_FLOOD_CPU_YIELD=0.8
+                                                # QOS_FLOOD_PREFILL_TOKENS=64
         [--server-json '{"haproxy": true}']
 
 Two moe-cluster engine replicas (one core each) on the tiny model, driven over gRPC
@@ -15,10 +16,11 @@ admission; then ``router.enabled: false``, Serve's own first-come routing):
   costs it.
 
 Modes: the router; the router with ``engine.realtime_batch_mates`` (background
-pauses in an engine while realtime is in it); that and
-``engine.background_cpu_yield`` (an engine with only background idles while the
-other holds realtime: the two engines share the machine's cores); Serve's own
-routing.
+pauses in an engine while realtime is in it); that, ``engine.background_cpu_yield``
+(an engine with only background idles while the other holds realtime: the two
+engines share the machine's cores) and ``engine.background_prefill_tokens`` (a
+step computes few background prompt tokens, so realtime arriving mid-step waits
+less); Serve's own routing.
 
 Capacity is the background shape's closed-loop request rate at 32 streams, measured
 once on the first mode. Also prints the router's own compute time per decision and
@@ -59,6 +61,8 @@ BACKGROUND = ClassSpec(
 )
 GUARD_MATES = int(os.environ.get("QOS_FLOOD_BATCH_MATES", "0"))  # guard modes'
 CPU_YIELD = float(os.environ.get("QOS_FLOOD_CPU_YIELD", "0.8"))  # yield mode's
+# The yield mode's engine.background_prefill_tokens ("": none).
+PREFILL_CAP = os.environ.get("QOS_FLOOD_PREFILL_TOKENS", "64")
 
 
 def _engine_mode(key: str, engine: dict[str, Any]) -> Peer:
@@ -73,7 +77,8 @@ MODES = (
     _engine_mode("guard", {"realtime_batch_mates": GUARD_MATES}),
     _engine_mode(
         "yield",
-        {"realtime_batch_mates": GUARD_MATES, "background_cpu_yield": CPU_YIELD},
+        {"realtime_batch_mates": GUARD_MATES, "background_cpu_yield": CPU_YIELD}
+        | ({"background_prefill_tokens": int(PREFILL_CAP)} if PREFILL_CAP else {}),
     ),
     Peer(
         "no-router",
@@ -202,6 +207,7 @@ def main() -> None:
     out["server"] = args.server_json or "{}"
     out["guard_batch_mates"] = GUARD_MATES
     out["cpu_yield"] = CPU_YIELD
+    out["prefill_cap"] = int(PREFILL_CAP) if PREFILL_CAP else None
     if all(m.key in out for m in MODES):
         stem = per_cpu("qos_flood")
         (RESULTS / f"{stem}.json").write_text(json.dumps(out, indent=1))
@@ -242,7 +248,12 @@ def table(out: dict[str, Any]) -> str:
         rows.append(
             f"\nServer settings: {out['server']}; guard: "
             f"engine.realtime_batch_mates {out['guard_batch_mates']}; yield: the "
-            f"guard and engine.background_cpu_yield {out.get('cpu_yield', '-')}."
+            f"guard and engine.background_cpu_yield {out.get('cpu_yield', '-')}"
+            + (
+                f", engine.background_prefill_tokens {out['prefill_cap']}."
+                if out.get("prefill_cap")
+                else "."
+            )
         )
     ratios = []
     for key in [k for k in KEYS if k in out and "background_alone" in out[k]]:

@@ -118,6 +118,10 @@ def test_a_uni_executor_with_tensor_parallelism_is_refused() -> None:
                 "moe_cluster_background_cpu_yield": 0.5,
             },
         ),
+        (
+            {"background_prefill_tokens": 256},
+            {"moe_cluster_background_prefill_tokens": 256},
+        ),
     ],
 )
 def test_the_guards_reach_the_engines_scheduler(
@@ -144,3 +148,13 @@ def test_a_cpu_yield_outside_0_to_0_9_is_refused(bad: float) -> None:
 
     with pytest.raises(ValidationError, match="background_cpu_yield"):
         ClusterConfig.model_validate({"engine": {"background_cpu_yield": bad}})
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_a_background_prefill_cap_below_one_token_is_refused(bad: int) -> None:
+    from pydantic import ValidationError
+
+    from cluster.config import ClusterConfig
+
+    with pytest.raises(ValidationError, match="background_prefill_tokens"):
+        ClusterConfig.model_validate({"engine": {"background_prefill_tokens": bad}})
