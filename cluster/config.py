@@ -103,8 +103,9 @@ class EngineConfig(_Strict):
         "compute, an engine step computes at most this many of them (besides one "
         "token per running request), so a realtime request arriving mid-step "
         "waits for a short step, not for a burst of background prompts; the rest "
-        "follow in the next steps (chunked prefill). None: vLLM's "
-        "max_num_batched_tokens.",
+        "follow in the next steps. Where vLLM does not chunk prompts (MLA on a "
+        "CPU without AMX) a step takes whole prompts up to this many tokens, and "
+        "at least one. None: vLLM's max_num_batched_tokens.",
     )
     block_size: int | Literal["auto"] = Field(
         "auto",
