@@ -1,8 +1,8 @@
-"""Where S1's time goes: CPU per process, and py-spy's top frames, under one stream.
+"""Where S1's time goes: CPU per process, and py-spy's top frames.
 
     .venv/bin/python -m tests.perf.s1_profile [moe|vllm] [--engine-json J]
-        [--router-json J] [--kvstore-json J] [--pyspy SECONDS] [--grpc]
-        [--vllm-no-stats]
+        [--router-json J] [--kvstore-json J] [--pyspy SECONDS]
+        [--pyspy-concurrency N] [--grpc] [--vllm-no-stats]
 
 Starts one system as ``make bench-peers`` does (one replica, one core), runs S1
 (128 prompt tokens, 64 output tokens) closed loop at concurrency 1 and 4 (every
@@ -10,8 +10,9 @@ prompt new to the server, so no prefix cache answers any of it), and
 meanwhile samples every process the system started: CPU seconds per process
 (grouped by its title: the Serve proxy, the ingress and engine replicas, vLLM's
 EngineCore, the router, Ray's own daemons) per request served. With ``--pyspy``
-it also records each of the busiest processes with py-spy for that long and
-prints the frames that hold most samples (self and inclusive).
+it also records each of the busiest processes with py-spy for that long, at
+``--pyspy-concurrency`` streams (one by default), and prints the frames that
+hold most samples (self and inclusive).
 """
 
 from __future__ import annotations
@@ -156,6 +157,8 @@ def main() -> None:
         extra += ["--engine-json", args.engine_json, "--router-json", args.router_json]
         extra += ["--kvstore-json", args.kvstore_json]
     if args.vllm_no_stats:
+        if args.system != "vllm":
+            p.error("--vllm-no-stats is bare vLLM's (system vllm)")
         extra.append("--disable-log-stats")
     peer = Peer(
         base.key,
