@@ -96,7 +96,7 @@ class _RealtimeGuard:
             # No new background prefill: the waiting queues pop by priority, so
             # room for the realtime and normal ones waiting admits only them.
             self.max_num_active_reqs = min(active, len(self.running) + held)
-        elif self._prefill_cap is not None and top != _REALTIME:
+        elif self._prefill_cap is not None:
             longest = self._background_prompt_left()
             if longest is not None:
                 # One token for each running request (a decode, or a chunk of a

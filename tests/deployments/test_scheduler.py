@@ -207,6 +207,14 @@ def test_a_step_with_a_more_urgent_prompt_is_not_capped(
     assert sum(s.tokens.values()) > 64 + len(s.running)
 
 
+def test_beside_a_decoding_realtime_request_without_the_guard_it_caps_too() -> None:
+    rt = _running(Req("rt", RT))
+    s = Guarded([rt, *_bg(1)], _prompts(2, BG, 150), mates=None, prefill_cap=100)
+    s.schedule()
+    assert s.capped_steps == 1
+    assert s.tokens == {"rt": 1, "bg0": 1, "bg-new0": 100}
+
+
 def test_without_the_cap_a_burst_is_one_step() -> None:
     s = Guarded(_bg(2), _prompts(3, BG, 150), mates=0)
     _, admitted = s.schedule()
