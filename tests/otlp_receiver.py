@@ -63,6 +63,25 @@ class Span:
     def event_names(self) -> list[str]:
         return [name for name, _ in self.events]
 
+    def event_at(self, name: str) -> int | None:
+        """When the first event called ``name`` happened (ns), if it did."""
+        for (event, _), ns in zip(self.events, self.event_ns, strict=False):
+            if event == name:
+                return ns
+        return None
+
+
+def span_of(line: bytes | str) -> Span:
+    """One span of the receiver's file (a JSON line)."""
+    d = json.loads(line)
+    d["events"] = [tuple(e) for e in d["events"]]
+    return Span(**d)
+
+
+def read_spans(path: Path) -> list[Span]:
+    """Every span in a receiver's file (``python -m tests.otlp_receiver``'s)."""
+    return [span_of(line) for line in path.read_bytes().splitlines() if line]
+
 
 class _Servicer(trace_service_pb2_grpc.TraceServiceServicer):
     def __init__(self, out: Any) -> None:
@@ -161,10 +180,7 @@ class OTLPReceiver:
                 data = f.read()
             end = data.rfind(b"\n") + 1  # whole lines only
             self._read += end
-            for line in data[:end].splitlines():
-                d = json.loads(line)
-                d["events"] = [tuple(e) for e in d["events"]]
-                self._spans.append(Span(**d))
+            self._spans += [span_of(line) for line in data[:end].splitlines()]
             return [s for s in self._spans if trace_id in (None, s.trace_id)]
 
     def wait_for(

@@ -1,5 +1,5 @@
 """``tests.perf.ttft_tail``: a request's time to first token, hop by hop, from the
-spans ``tests.otlp_receiver`` writes."""
+spans ``tests.otlp_receiver`` writes (its JSON lines, written here by hand)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,10 @@ def _span(
         "attributes": attributes or {},
         "events": [[e, {}] for e in events],
         "event_ns": [int(t * MS) for t in events.values()],
+        "kind": 1,
+        "status_code": 0,
+        "status_message": "",
+        "service": "moe-cluster",
     }
 
 

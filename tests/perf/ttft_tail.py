@@ -31,10 +31,12 @@ its slowest requests, hop by hop, so a tail can be placed.
 from __future__ import annotations
 
 import argparse
-import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from deployments.bench.report import latency_stats
+from tests.otlp_receiver import Span, read_spans
 
 QOS = "moe_cluster.qos"
 TTFC = "gen_ai.response.time_to_first_chunk"
@@ -60,36 +62,28 @@ class Request:
     hops: dict[str, float]  # ms
 
 
-def _event_ns(span: dict[str, Any], name: str) -> int | None:
-    for (event, _), ns in zip(span["events"], span.get("event_ns", []), strict=False):
-        if event == name:
-            return int(ns)
-    return None
-
-
 def requests(path: Path) -> list[Request]:
     """Every traced request that got a first token, with its hops."""
-    traces: dict[str, list[dict[str, Any]]] = {}
-    for line in path.read_text().splitlines():
-        span = json.loads(line)
-        traces.setdefault(span["trace_id"], []).append(span)
+    traces: dict[str, list[Span]] = {}
+    for span in read_spans(path):
+        traces.setdefault(span.trace_id, []).append(span)
     out = []
     for trace_id, spans in traces.items():
         # The ingress's request span: the one that records the first chunk (the
         # engine's span carries the class too).
-        roots = [s for s in spans if TTFC in s["attributes"] and QOS in s["attributes"]]
+        roots = [s for s in spans if TTFC in s.attributes and QOS in s.attributes]
         if not roots:
             continue
         root = roots[0]
-        start = root["start_ns"]
-        hops: dict[str, float] = {"ttfc": 1e3 * root["attributes"][TTFC]}
-        by_name = {s["name"]: s for s in spans}
+        start = root.start_ns
+        hops: dict[str, float] = {"ttfc": 1e3 * root.attributes[TTFC]}
+        by_name = {s.name: s for s in spans}
         if (admit := by_name.get("router.admit")) is not None:
-            hops["admit"] = (admit["end_ns"] - admit["start_ns"]) / 1e6
+            hops["admit"] = (admit.end_ns - admit.start_ns) / 1e6
         engine = by_name.get("engine.generate")
         if engine is not None:
-            a = engine["attributes"]
-            hops["to_engine"] = (engine["start_ns"] - start) / 1e6
+            a = engine.attributes
+            hops["to_engine"] = (engine.start_ns - start) / 1e6
             if "moe_cluster.engine.queued_s" in a:
                 hops["vllm_queue"] = 1e3 * a["moe_cluster.engine.queued_s"]
             if "moe_cluster.engine.prefill_s" in a:
@@ -100,14 +94,14 @@ def requests(path: Path) -> list[Request]:
                     hops["vllm_in"] = (
                         hops["vllm_first"] - hops["vllm_queue"] - hops["vllm_prefill"]
                     )
-            first = _event_ns(engine, "first_token")
-            root_first = _event_ns(root, "first_token")
+            first = engine.event_at("first_token")
+            root_first = root.event_at("first_token")
             if first is not None:
-                hops["engine_first"] = (first - engine["start_ns"]) / 1e6
+                hops["engine_first"] = (first - engine.start_ns) / 1e6
                 if root_first is not None:
                     hops["back"] = (root_first - first) / 1e6
-        qos = str(root["attributes"][QOS])
-        out.append(Request(trace_id, qos, start, root["end_ns"], hops))
+        qos = str(root.attributes[QOS])
+        out.append(Request(trace_id, qos, start, root.end_ns, hops))
     return sorted(out, key=lambda r: r.start_ns)
 
 
@@ -122,17 +116,19 @@ def under_flood(reqs: list[Request], background: list[Request]) -> list[bool]:
     return flags
 
 
-def _pct(values: list[float], q: float) -> float:
-    v = sorted(values)
-    return v[min(len(v) - 1, int(q * len(v)))] if v else float("nan")
+def _stats(values_ms: list[float]) -> dict[str, float]:
+    """The bench's percentiles (``latency_stats``), and the most."""
+    stats = latency_stats([v / 1e3 for v in values_ms])
+    return stats | {"max": max(values_ms, default=math.nan)}
 
 
 def table(reqs: list[Request], title: str, top: int) -> str:
     lines = [f"{title}: {len(reqs)} requests (ms)"]
     head = f"  {'':>14}" + "".join(f"{h:>13}" for h in HOPS)
     lines.append(head)
-    for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("max", 1.0)):
-        row = [_pct([r.hops[h] for r in reqs if h in r.hops], q) for h in HOPS]
+    stats = {h: _stats([r.hops[h] for r in reqs if h in r.hops]) for h in HOPS}
+    for name in ("p50", "p90", "p99", "max"):
+        row = [stats[h][name] for h in HOPS]
         lines.append(f"  {name:>14}" + "".join(f"{v:13.1f}" for v in row))
     lines.append(f"  slowest {top} by ttfc:")
     for r in sorted(reqs, key=lambda r: -r.hops["ttfc"])[:top]:
