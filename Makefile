@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= cluster/configs/tiny-cpu.yaml
 MODEL  := .models/tiny-deepseek-v2
 
-.PHONY: install serve test test-cpu-mla lint unit model proto clean fuzz chaos bench-peers bench-router-admission bench-qos bench-kv bench-ep bench-tracing bench-overload bench-resume bench-structured bench-autoscale bench-autoscale-ep bench-autoscale-nodes k8s
+.PHONY: install serve test test-cpu-mla lint unit model proto clean fuzz chaos bench-peers bench-s1-pairs bench-router-admission bench-qos bench-kv bench-ep bench-tracing bench-overload bench-resume bench-structured bench-autoscale bench-autoscale-ep bench-autoscale-nodes k8s
 
 install: $(STAMP)
 
@@ -73,6 +73,12 @@ clean:
 # one pair per kind of CPU).
 bench-peers: install
 	$(BIN)/python -m tests.perf.compare_peers
+
+# S1 only, every peer started afresh each round in a rotating order: moe-cluster's
+# tok/s over bare vLLM's with a 95% interval (~30 min for 4 rounds; writes
+# tests/perf/results/s1_pairs-<backend>.{json,md}).
+bench-s1-pairs: install
+	$(BIN)/python -m tests.perf.s1_pairs
 
 # Admissions/s one router actor takes from 1, 4 and 16 ingress processes (~1 min).
 bench-router-admission: model
