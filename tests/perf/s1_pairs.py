@@ -2,7 +2,7 @@
 confidence interval, where one ``make bench-peers`` run gives a single draw.
 
     make bench-s1-pairs     # or: .venv/bin/python -m tests.perf.s1_pairs
-        [--rounds K] [--peers moe,vllm,vllm-nostats]
+        [--rounds K] [--peers moe,vllm,vllm-nostats] [--more]
 
 On a small VM the pace of a server moves from one start to the next by more
 than the 5% the S1 goal turns on (bare vLLM's one-stream tok/s spans 102-134
@@ -15,7 +15,8 @@ moe-cluster's output tok/s over the reference's in that round; the summary is
 the geometric mean of the rounds' ratios with a 95% confidence interval
 (Student's t on the log ratios), and their range.
 
-Writes ``tests/perf/results/s1_pairs-<backend>.{json,md}``.
+Writes ``tests/perf/results/s1_pairs-<backend>.{json,md}``; ``--more`` adds
+rounds to the recorded ones.
 """
 
 from __future__ import annotations
@@ -143,6 +144,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument(
+        "--more",
+        action="store_true",
+        help="add the rounds to those the last run recorded (same peers), "
+        "continuing its rotation",
+    )
+    p.add_argument(
         "--peers",
         default="moe,vllm,vllm-nostats",
         help="moe and the references, each started once a round",
@@ -153,17 +160,23 @@ def main() -> None:
     unknown = [k for k in keys if k not in known]
     if unknown or "moe" not in keys or len(keys) < 2:
         p.error(f"--peers: moe and one or more of {sorted(known)}; got {keys}")
-    if args.rounds < 2:
-        p.error("--rounds: two or more (a confidence interval needs them)")
-    logs = RESULTS / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
     stem = per_cpu("s1_pairs")
     rounds: list[dict[str, dict[str, Any]]] = []
-    for i in range(args.rounds):
+    if args.more:
+        recorded = json.loads((RESULTS / f"{stem}.json").read_text())
+        if recorded["peers"] != keys:
+            p.error(f"--more: the recorded rounds ran {recorded['peers']}, not {keys}")
+        rounds = recorded["rounds"]
+    if args.rounds < 1 or len(rounds) + args.rounds < 2:
+        p.error("--rounds: two or more in all (a confidence interval needs them)")
+    logs = RESULTS / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    first = len(rounds)
+    for i in range(first, first + args.rounds):
         this: dict[str, dict[str, Any]] = {}
         rounds.append(this)
         for key in rotated(keys, i):
-            print(f"== round {i + 1}/{args.rounds}: {key}", flush=True)
+            print(f"== round {i + 1}/{first + args.rounds}: {key}", flush=True)
             this[key] = run_peer(known[key], {}, logs, frozenset({"S1"}))
             if "error" in this[key]:
                 print(f"   failed: {this[key]['error']}", flush=True)
