@@ -75,7 +75,7 @@ bench-peers: install
 	$(BIN)/python -m tests.perf.compare_peers
 
 # S1 only, every peer started afresh each round in a rotating order: moe-cluster's
-# tok/s over bare vLLM's with a 95% interval (~30 min for 4 rounds; writes
+# tok/s over bare vLLM's with a 95% interval (~40 min for 4 rounds; writes
 # tests/perf/results/s1_pairs-<backend>.{json,md}).
 bench-s1-pairs: install
 	$(BIN)/python -m tests.perf.s1_pairs

@@ -5,8 +5,8 @@ confidence interval, where one ``make bench-peers`` run gives a single draw.
         [--rounds K] [--peers moe,vllm,vllm-nostats] [--more]
 
 On a small VM the pace of a server moves from one start to the next by more
-than the 5% the S1 goal turns on (bare vLLM's one-stream tok/s spans 102-134
-across starts of the same command). So each round starts every peer afresh,
+than the 5% the S1 goal turns on (bare vLLM's one-stream tok/s spanned 100-141
+over eight starts of the same command). So each round starts every peer afresh,
 one after the other, in an order that rotates from round to round (each peer
 runs first, second, ... equally often, so a drift over the run does not favour
 one), and runs ``make bench-peers``' S1 on it: the same prompts, one and four
@@ -91,10 +91,10 @@ def ratios(
     """Per moe-cluster point, its tok/s over ``reference``'s in each round both
     completed."""
     out: dict[str, list[float]] = {}
-    for label_point, ref_point, label in POINTS:
+    for moe_point, ref_point, label in POINTS:
         got = []
         for r in rounds:
-            moe = tok_s(r.get("moe", {}), label_point)
+            moe = tok_s(r.get("moe", {}), moe_point)
             ref = tok_s(r.get(reference, {}), ref_point)
             if moe and ref:
                 got.append(moe / ref)
@@ -163,6 +163,8 @@ def main() -> None:
     stem = per_cpu("s1_pairs")
     rounds: list[dict[str, dict[str, Any]]] = []
     if args.more:
+        if not (RESULTS / f"{stem}.json").exists():
+            p.error(f"--more: no rounds recorded in {RESULTS / stem}.json")
         recorded = json.loads((RESULTS / f"{stem}.json").read_text())
         if recorded["peers"] != keys:
             p.error(f"--more: the recorded rounds ran {recorded['peers']}, not {keys}")
