@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= cluster/configs/tiny-cpu.yaml
 MODEL  := .models/tiny-deepseek-v2
 
-.PHONY: install serve test test-cpu-mla lint unit model proto clean fuzz chaos bench-peers bench-s1-pairs bench-router-admission bench-qos bench-kv bench-ep bench-tracing bench-overload bench-resume bench-structured bench-autoscale bench-autoscale-ep bench-autoscale-nodes k8s
+.PHONY: install serve test test-cpu-mla lint unit model proto clean fuzz chaos bench-peers bench-s1-pairs bench-s3-pairs bench-router-admission bench-qos bench-kv bench-ep bench-tracing bench-overload bench-resume bench-structured bench-autoscale bench-autoscale-ep bench-autoscale-nodes k8s
 
 install: $(STAMP)
 
@@ -74,11 +74,15 @@ clean:
 bench-peers: install
 	$(BIN)/python -m tests.perf.compare_peers
 
-# S1 only, every peer started afresh each round in a rotating order: moe-cluster's
-# tok/s over bare vLLM's with a 95% interval (~40 min for 4 rounds; writes
-# tests/perf/results/s1_pairs-<backend>.{json,md}).
+# One scenario, every peer started afresh each round in a rotating order:
+# moe-cluster's ratios to each reference with a 95% interval (writes
+# tests/perf/results/<scenario>_pairs-<backend>.{json,md}). S1 against bare vLLM
+# (~40 min for 4 rounds); S3 against Ray Serve LLM.
 bench-s1-pairs: install
-	$(BIN)/python -m tests.perf.s1_pairs
+	$(BIN)/python -m tests.perf.pairs --scenario S1
+
+bench-s3-pairs: install
+	$(BIN)/python -m tests.perf.pairs --scenario S3
 
 # Admissions/s one router actor takes from 1, 4 and 16 ingress processes (~1 min).
 bench-router-admission: model

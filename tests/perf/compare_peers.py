@@ -168,6 +168,19 @@ PEERS = (
         _module("moe-cluster", "--server-json", '{"haproxy": true}'),
         ("S1", "S2", "S3", "S3b", "S3c"),
     ),
+    # S3 with the router placing by cached prefix instead of load (the default).
+    Peer(
+        "moe-prefix",
+        "moe-cluster, prefix policy",
+        _module(
+            "moe-cluster",
+            "--server-json",
+            '{"haproxy": true}',
+            "--router-json",
+            '{"policy": "prefix"}',
+        ),
+        ("S3",),
+    ),
 )
 
 
@@ -552,18 +565,16 @@ def _startup(result: dict[str, Any]) -> float:
 def markdown(results: dict[str, Any], capacity: dict[str, Any]) -> str:
     peers = [p for p in PEERS if p.key in results]
     head = "| scenario | metric | " + " | ".join(p.label for p in peers)
-    head += (
-        " | moe-cluster vs "
-        + " | moe-cluster vs ".join(p.label for p in peers if p.key != "moe")
-        + " |"
-    )
+    refs = [p for p in peers if not p.key.startswith("moe")]
+    head += " | moe-cluster vs " + " | moe-cluster vs ".join(p.label for p in refs)
+    head += " |"
     lines = [machine() + head, "|" + "---|" * (head.count("|") - 1)]
     for row in ROWS:
         values = [cell(results, p.key, row) for p in peers]
         moe = cell(results, "moe", row)
         ratios = []
         for p, v in zip(peers, values, strict=True):
-            if p.key == "moe":
+            if p.key.startswith("moe"):
                 continue
             ok = isinstance(v, (int, float)) and isinstance(moe, (int, float)) and v
             ratios.append(f"{moe / v:.2f}x" if ok else "-")  # type: ignore[operator]
