@@ -77,7 +77,7 @@ bench-peers: install
 # One scenario, every peer started afresh each round in a rotating order:
 # moe-cluster's ratios to each reference with a 95% interval (writes
 # tests/perf/results/<scenario>_pairs-<backend>.{json,md}). S1 against bare vLLM
-# (~40 min for 4 rounds); S3 against Ray Serve LLM.
+# (~40 min for 4 rounds); S3 against Ray Serve LLM (~33 min for 4 rounds).
 bench-s1-pairs: install
 	$(BIN)/python -m tests.perf.pairs --scenario S1
 

@@ -5,7 +5,8 @@
 Peers, each started alone on this machine with one core per engine replica:
 bare vLLM (``vllm serve`` as it runs by default; with ``--disable-log-stats``;
 and with the single-process executor moe-cluster's CPU engines use), Ray Serve
-LLM (default router, and its PrefixCacheAffinityRouter), and moe-cluster. vLLM's
+LLM (default router, and its PrefixCacheAffinityRouter), and moe-cluster (in S3
+also with ``router.policy: prefix``; its default is least-loaded). vLLM's
 per-step statistics and Prometheus metrics are on wherever a peer runs by
 default: in ``vllm serve``, in Ray Serve LLM (``log_engine_metrics``) and in
 moe-cluster; the statistics-off column shows what they cost bare vLLM. All are
