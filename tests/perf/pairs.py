@@ -7,8 +7,8 @@ single draw.
         [--rounds K] [--peers moe,REF,...] [--more]
 
 On a small VM the pace of a server moves from one start to the next by more
-than the margins the goals turn on (bare vLLM's one-stream tok/s spanned 100-141
-over eight starts of the same command; Ray Serve LLM's prefix router gave S3
+than the margins the goals turn on (bare vLLM's one-stream tok/s spanned 78-144
+over fourteen starts of the same command; Ray Serve LLM's prefix router gave S3
 79.5, 80.6 and 153.8 tok/s in three bench-peers runs). So each round starts
 every peer afresh, one after the other, in an order that rotates from round to
 round (each peer runs first, second, ... equally often, so a drift over the run
