@@ -118,6 +118,12 @@ class Peer:
     env: tuple[tuple[str, str], ...] = ()
 
 
+def is_moe(key: str) -> bool:
+    """Whether peer ``key`` is moe-cluster (in some setting), which the table's
+    ratios hold against the others."""
+    return key.startswith("moe")
+
+
 def _module(*args: str) -> Callable[[int], list[str]]:
     def argv(replicas: int) -> list[str]:
         module = [sys.executable, "-m", "tests.perf.peers", *args]
@@ -421,7 +427,7 @@ def run_peer(
                 s1 = S1.requests()
                 out["S1"] = asyncio.run(closed(S1, 1, S1_N, requests=s1))
                 out["S1c4"] = asyncio.run(closed(S1, 4, 4 * S1_N, requests=s1))
-                if peer.key.startswith("moe"):  # the gRPC API, requests alike
+                if is_moe(peer.key):  # the gRPC API, requests alike
                     out["S1g"] = asyncio.run(
                         closed(S1, 1, S1_N, grpc=True, requests=s1)
                     )
@@ -542,7 +548,7 @@ def cell(
     results: dict[str, Any], peer: str, row: tuple[Any, ...]
 ) -> float | str | None:
     scenario, klass, metric, stat, _, _ = row
-    if not peer.startswith("moe"):  # HTTP only: moe-cluster's gRPC against it
+    if not is_moe(peer):  # HTTP only: moe-cluster's gRPC against it
         scenario = HTTP_OF.get(scenario, scenario)
     s = results.get(peer, {}).get(scenario, {}).get(klass)
     if s is None:
@@ -566,7 +572,7 @@ def _startup(result: dict[str, Any]) -> float:
 def markdown(results: dict[str, Any], capacity: dict[str, Any]) -> str:
     peers = [p for p in PEERS if p.key in results]
     head = "| scenario | metric | " + " | ".join(p.label for p in peers)
-    refs = [p for p in peers if not p.key.startswith("moe")]
+    refs = [p for p in peers if not is_moe(p.key)]
     head += " | moe-cluster vs " + " | moe-cluster vs ".join(p.label for p in refs)
     head += " |"
     lines = [machine() + head, "|" + "---|" * (head.count("|") - 1)]
@@ -575,7 +581,7 @@ def markdown(results: dict[str, Any], capacity: dict[str, Any]) -> str:
         moe = cell(results, "moe", row)
         ratios = []
         for p, v in zip(peers, values, strict=True):
-            if p.key.startswith("moe"):
+            if is_moe(p.key):
                 continue
             ok = isinstance(v, (int, float)) and isinstance(moe, (int, float)) and v
             ratios.append(f"{moe / v:.2f}x" if ok else "-")  # type: ignore[operator]

@@ -43,7 +43,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tests.perf.compare_peers import PEERS, RESULTS, machine, per_cpu, run_peer
+from tests.perf.compare_peers import (
+    PEERS,
+    RESULTS,
+    is_moe,
+    machine,
+    per_cpu,
+    run_peer,
+)
 
 
 @dataclass(frozen=True)
@@ -143,10 +150,6 @@ def value(result: dict[str, Any], point: str, metric: str) -> float | None:
     return v if v > 0 else None
 
 
-def is_subject(key: str) -> bool:
-    return key.startswith("moe")
-
-
 def ratios(
     rounds: Sequence[dict[str, dict[str, Any]]],
     reference: str,
@@ -169,7 +172,7 @@ def ratios(
 
 def _columns(key: str, scenario: Scenario) -> list[Point]:
     """A subject's points, or a reference's (each (key, metric) once)."""
-    if is_subject(key):
+    if is_moe(key):
         return list(scenario.points)
     seen: dict[tuple[str, str], Point] = {}
     for p in scenario.points:
@@ -198,7 +201,7 @@ def markdown(
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
     for i, r in enumerate(rounds):
         cells = [
-            _fmt(value(r.get(k, {}), p.moe if is_subject(k) else p.ref, p.metric))
+            _fmt(value(r.get(k, {}), p.moe if is_moe(k) else p.ref, p.metric))
             for k in keys
             for p in _columns(k, scenario)
         ]
@@ -215,9 +218,9 @@ def markdown(
         "| rounds |",
         "|---|---|---|---|---|---|---|",
     ]
-    for subject in filter(is_subject, keys):
+    for subject in filter(is_moe, keys):
         for ref in keys:
-            if is_subject(ref):
+            if is_moe(ref):
                 continue
             for point, rs in ratios(rounds, ref, scenario, subject).items():
                 if not rs:
@@ -252,7 +255,7 @@ def main() -> None:
     keys = (args.peers or scenario.peers).split(",")
     known = {peer.key: peer for peer in PEERS}
     unknown = [k for k in keys if k not in known]
-    if unknown or not any(map(is_subject, keys)) or all(map(is_subject, keys)):
+    if unknown or not any(map(is_moe, keys)) or all(map(is_moe, keys)):
         p.error(
             f"--peers: one or more moe-cluster peers (moe...) and one or more "
             f"references, of {sorted(known)}; got {keys}"
