@@ -658,6 +658,17 @@ class ServerConfig(_Strict):
         "the thread, 0.6-0.8 s without (`make bench-overload`). Handlers must not "
         "block (they do not).",
     )
+    engine_transport: Literal["grpc", "actor"] = Field(
+        "grpc",
+        description="How the ingress streams from an engine replica: over Ray "
+        "Serve's gRPC transport for handle calls (one gRPC stream per request, "
+        "straight to the replica's own server) or as a Ray actor call (each "
+        "streamed chunk an object reported through Ray's core workers). On 2 cores "
+        "under S1 gRPC took the ingress's CPU per request from 31-34 ms to 19-20 ms "
+        "at one stream and the engine replica's from 80-85 ms to 59-64 ms, and "
+        "output rose from 118-132 to 145-152 tok/s (`python -m "
+        "tests.perf.s1_profile`, two runs each).",
+    )
     haproxy: bool = Field(
         False,
         description="Serve both ports through HAProxy instead of Serve's proxy "

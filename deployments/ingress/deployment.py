@@ -219,7 +219,10 @@ class Ingress:
         gc_pauses.settle("ingress", freeze=False)  # Serve freezes it
 
     def _open_stream(self, request: EngineRequest) -> Any:
-        return self._engine.options(stream=True).generate.remote(request)
+        # _by_reference=False: Serve's gRPC transport (server.engine_transport).
+        by_reference = self._config.server.engine_transport == "actor"
+        stream = self._engine.options(stream=True, _by_reference=by_reference)
+        return stream.generate.remote(request)
 
     async def _engines_alive(self) -> bool:
         """Whether the app takes requests: an engine replica answers, and the
