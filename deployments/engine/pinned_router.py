@@ -11,6 +11,13 @@ not seen yet has just started: Serve tells the handles a moment after the replic
 tells the router, so a request placed there waits for it (``NEW_REPLICA_WAIT_S``)
 instead of landing where the router did not put it.
 
+A replica a call to it found dead (Serve's ``on_replica_actor_died``) counts as
+gone at once. One found unavailable (``on_replica_actor_unavailable``: what a dead
+replica raises over Serve's gRPC transport, or a replica Ray cannot reach for the
+moment) gets no request for ``UNAVAILABLE_S``: without this, Serve retried a
+request placed on a dead replica there until its controller noticed the death
+(3.5 s for a new request's first token after an engine replica was killed).
+
 It is also where the DeepSeekRouter learns that Serve is stopping a replica
 (scale-down, redeploy, shutdown): Serve takes a stopping replica out of every
 handle's set at once, and this router tells the DeepSeekRouter, which stops
@@ -26,7 +33,12 @@ import time
 from collections import deque
 from typing import Any
 
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import (
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
 
 from deployments.protocol import EngineRequest, Pin
 
@@ -38,6 +50,8 @@ NEW_REPLICA_WAIT_S = 3.0
 # Replicas that left this handle's set, remembered so that a request placed on
 # one goes elsewhere at once (it is stopping or dead, not starting).
 GONE_REMEMBERED = 256
+# How long a replica a call found unavailable gets no request.
+UNAVAILABLE_S = 5.0
 
 
 def target_of(pending: PendingRequest | None) -> str:
@@ -53,6 +67,7 @@ class PinnedRequestRouter(RequestRouter):
 
     def initialize_state(self, **kwargs: Any) -> None:
         self._gone: deque[str] = deque(maxlen=GONE_REMEMBERED)
+        self._unavailable: dict[str, float] = {}  # replica -> when (monotonic)
 
     async def choose_replicas(
         self,
@@ -64,7 +79,8 @@ class PinnedRequestRouter(RequestRouter):
             # Retries (a full replica, one not here yet) back off instead of
             # spinning the event loop.
             pending_request.routing_context.should_backoff = True
-        if target:
+        shunned = self._shunned()
+        if target and target not in shunned:
             for replica in candidate_replicas:
                 if replica.replica_id.unique_id == target:
                     return [[replica]]
@@ -74,7 +90,29 @@ class PinnedRequestRouter(RequestRouter):
                 return []  # just started: Serve adds it to this handle shortly
         # Anywhere: two at random, as Serve's default (it takes the less busy);
         # a fixed order would send every such call to the same replica.
-        return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+        others = [
+            r for r in candidate_replicas if r.replica_id.unique_id not in shunned
+        ]
+        pool = others or candidate_replicas
+        return [random.sample(pool, min(2, len(pool)))]
+
+    def _shunned(self) -> set[str]:
+        """Replicas a call found unavailable within ``UNAVAILABLE_S``."""
+        if not self._unavailable:
+            return set()
+        now = time.monotonic()
+        for rid, at in list(self._unavailable.items()):
+            if now - at > UNAVAILABLE_S:
+                del self._unavailable[rid]
+        return set(self._unavailable)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._gone.append(replica_id.unique_id)
+
+    def on_replica_actor_unavailable(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_unavailable(replica_id)
+        self._unavailable[replica_id.unique_id] = time.monotonic()
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         before = {rid.unique_id for rid in self.curr_replicas}
