@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from cluster.config import ClusterConfig, load_config
-from deployments.cli import DEFAULT_CONFIG
+from cluster.config import ClusterConfig
 from deployments.ingress.deployment import Ingress
+from tests.deployments.test_app import config as _config
 
 
 class _Handle:
@@ -33,12 +33,6 @@ class _Handle:
     def remote(self, request: object) -> str:
         self.sent.append(request)
         return "stream"
-
-
-def _config(**server: object) -> ClusterConfig:
-    data = load_config(DEFAULT_CONFIG).model_dump(mode="json")
-    data["server"] |= server
-    return ClusterConfig.model_validate(data)
 
 
 def _open(config: ClusterConfig) -> _Handle:
