@@ -123,10 +123,13 @@ class StoreServer:
         """Stops listening and closes every engine's connection."""
         if self._server is not None:
             self._server.close()
-            await self._server.wait_closed()
+        # Connections first: from Python 3.12 on, ``wait_closed`` also waits
+        # for every connection to end.
         for writer in self._open.values():
             writer.close()
         await asyncio.gather(*self._open, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
         if os.path.exists(self.path):
             os.unlink(self.path)
 
