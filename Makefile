@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= cluster/configs/tiny-cpu.yaml
 MODEL  := .models/tiny-deepseek-v2
 
-.PHONY: install serve test test-cpu-mla lint unit model proto clean fuzz chaos bench-peers bench-s1-pairs bench-s3-pairs bench-router-admission bench-qos bench-kv bench-ep bench-tracing bench-overload bench-resume bench-structured bench-autoscale bench-autoscale-ep bench-autoscale-nodes k8s
+.PHONY: install serve test test-cpu-mla test-gpu lint unit model proto clean fuzz chaos bench-peers bench-s1-pairs bench-s3-pairs bench-router-admission bench-qos bench-kv bench-ep bench-tracing bench-overload bench-resume bench-structured bench-autoscale bench-autoscale-ep bench-autoscale-nodes k8s
 
 install: $(STAMP)
 
@@ -47,6 +47,11 @@ unit: install
 # AMX machine the other app of test_backends.py is then the AMX one).
 test-cpu-mla: lint
 	MOE_CLUSTER_TEST_BACKEND=CPU_MLA $(BIN)/pytest
+
+# The connector's CUDA path (tests/kvstore/test_cuda_pages.py), on a GPU node whose
+# .venv has CUDA torch (`pip install -e '.[gpu,dev]'`): the CPU install skips them.
+test-gpu:
+	$(BIN)/pytest -m gpu
 
 # 10,000 seeded malformed requests over both protocols (the default run has 2,000);
 # FUZZ_SEED picks another set.

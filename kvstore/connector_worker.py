@@ -1,13 +1,18 @@
 """The connector's worker side (vLLM's model-runner process), with the arena mapped.
 
 ``start_load`` copies each page into the request's blocks before the forward
-pass, checking its checksum on the way (``page_layer.PageCopier``); a page that
-fails is dropped from the store and its blocks (and every later one of the
-request) are reported to vLLM, which recomputes them. ``save`` copies the blocks
-completed this step into reserved pages, summing them on the way on the host; a
-background thread publishes them (checksumming those copied to device caches
-first), so the step waits only for the copy. On CUDA the arena is registered as
-pinned memory and both copies run on a side stream.
+pass, checking its checksum on the way; a page that fails is dropped from the
+store and its blocks (and every later one of the request) are reported to vLLM,
+which recomputes them. ``save`` copies the blocks completed this step into
+reserved pages, summing them on the way; a background thread publishes them, so
+the step waits only for the copy.
+
+Host caches are copied a page at a time (``page_layer.PageCopier``). For caches
+in GPU memory the arena is page-locked and a request's pages go through a
+staging buffer on the device, one DMA copy each (``page_layer.DeviceCopier``):
+loads on the engine's stream, waited for before the leases on the pages end;
+saves on a side stream that first waits for the engine's, while the engine's
+next step waits for them before it can overwrite a block being saved.
 """
 
 from __future__ import annotations
@@ -16,7 +21,6 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -24,7 +28,7 @@ import torch
 from cluster import tracing
 from kvstore.arena import Arena, checksum
 from kvstore.connector_scheduler import Loads, PageSave
-from kvstore.page_layer import PageCopier, PageLayer
+from kvstore.page_layer import DeviceCopier, PageCopier, PageLayer
 from kvstore.rpc import StoreClient, StoreError, Written
 
 logger = logging.getLogger("moe_cluster.kvstore")
@@ -78,6 +82,7 @@ class StoreWorker:
         self._model, self._block_size = model, block_size  # named in the layout
         self._layers: list[PageLayer] = []
         self._copier: PageCopier | None = None
+        self._device: DeviceCopier | None = None  # caches in GPU memory
         self._arena: Arena | None = None
         self._registered: torch.Tensor | None = None  # the arena, page-locked (CUDA)
         self._page_bytes, self._layout = 0, ""
@@ -87,9 +92,10 @@ class StoreWorker:
         self._load_errors: set[int] = set()
         self._stream: Any = None
         # (arena, slots written with their checksums where the copy took them,
-        # CUDA event marking the copies done) to checksum and publish
+        # CUDA event marking the copies done, their sums taken on the GPU) to
+        # checksum and publish
         self._commits: queue.Queue[
-            tuple[Arena, list[tuple[int, int | None]], Any] | None
+            tuple[Arena, list[tuple[int, int | None]], Any, torch.Tensor | None] | None
         ] = queue.Queue()
         self._committer: threading.Thread | None = None
 
@@ -113,6 +119,7 @@ class StoreWorker:
         )
         if first.is_cuda:
             self._stream = torch.cuda.Stream(device=first.device)  # type: ignore[no-untyped-call]
+            self._device = DeviceCopier(self._layers, offset)
         self._attach(at_start=True)
         self._committer = threading.Thread(
             target=self._commit_loop, name="kvstore-commit", daemon=True
@@ -142,8 +149,18 @@ class StoreWorker:
             # Page-locked arena: host<->device copies run asynchronously by DMA.
             pages = torch.from_numpy(self._arena.pages())
             cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-            cudart.cudaHostRegister(pages.data_ptr(), pages.numel(), 0)
-            self._registered = pages
+            error = int(cudart.cudaHostRegister(pages.data_ptr(), pages.numel(), 0))
+            if error:
+                # Copies from pageable memory are still right, but each waits for
+                # the host (staged by the driver) instead of running by DMA.
+                logger.warning(
+                    "could not page-lock the arena %s (cudaHostRegister error %d): "
+                    "page copies run unpinned",
+                    info.name,
+                    error,
+                )
+            else:
+                self._registered = pages
         logger.info(
             "page store: %d pages of %d bytes (%d layers) in %s",
             info.num_pages,
@@ -185,8 +202,6 @@ class StoreWorker:
                     _log_unloaded(request, self._load(request, bad))
             finally:
                 tracing.REQUEST_ID.reset(token)
-        if self._stream is not None:
-            torch.cuda.current_stream().synchronize()  # loaded before the forward
         try:
             if bad:
                 self._client.drop(bad)
@@ -203,20 +218,26 @@ class StoreWorker:
             self._load_errors.update(p.block_id for p in pages)
             return 0, 0
         assert self._arena is not None and self._copier is not None
-        loaded = nbytes = 0
-        for i, p in enumerate(pages):
-            page = self._arena.page(p.slot)
-            if not self._copier.load(
-                page, p.block_id, p.checksum, non_blocking=self._stream is not None
-            ):
-                # Never serve it: this block and the rest of the prefix are
-                # recomputed by vLLM.
-                bad.append(p.page_hash)
-                self._load_errors.update(q.block_id for q in pages[i:])
-                break
-            loaded += 1
-            nbytes += page.nbytes
-        return loaded, nbytes
+        arena = self._arena
+        if self._device is not None:  # waits for the copies: the lease ends below
+            good = self._device.load(
+                [arena.page(p.slot) for p in pages],
+                [p.block_id for p in pages],
+                [p.checksum for p in pages],
+            )
+            loaded = next((i for i, ok in enumerate(good) if not ok), len(pages))
+        else:
+            loaded = 0
+            for p in pages:
+                if not self._copier.load(arena.page(p.slot), p.block_id, p.checksum):
+                    break
+                loaded += 1
+        if loaded < len(pages):
+            # Never serve it: this block and the rest of the prefix are
+            # recomputed by vLLM.
+            bad.append(pages[loaded].page_hash)
+            self._load_errors.update(q.block_id for q in pages[loaded:])
+        return loaded, loaded * arena.page_bytes
 
     def save(self, saves: Sequence[PageSave]) -> None:
         if not saves or not self._layers:
@@ -232,33 +253,40 @@ class StoreWorker:
             self._attach()
             return
         assert self._arena is not None and self._copier is not None
-        written: list[tuple[int, int | None]] = []
-        stream = self._stream
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            for slot, s in zip(reserved.slots, saves, strict=True):
-                if slot is None:
-                    continue  # stored already (or the store is full of pinned pages)
-                page = self._arena.page(slot)
-                summed = self._copier.save(
-                    page, s.block_id, non_blocking=stream is not None
-                )
-                written.append((slot, summed))
-        if written:
-            event = None
-            if stream is not None:
-                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                event.record(stream)
-            self._commits.put((self._arena, written, event))
+        arena, stream = self._arena, self._stream
+        todo = [  # no slot: stored already (or the store is full of pinned pages)
+            (slot, s.block_id)
+            for slot, s in zip(reserved.slots, saves, strict=True)
+            if slot is not None
+        ]
+        if not todo:
+            return
+        if stream is None or self._device is None:
+            written = [
+                (slot, self._copier.save(arena.page(slot), block))
+                for slot, block in todo
+            ]
+            self._commits.put((arena, written, None, None))
+            return
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            sums = self._device.save(
+                [arena.page(slot) for slot, _ in todo], [block for _, block in todo]
+            )
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+        self._commits.put((arena, [(slot, None) for slot, _ in todo], event, sums))
 
     def _commit_loop(self) -> None:
         """Publishes saved pages, off the engine's step, checksumming those that
         were not summed as they were copied."""
         while (item := self._commits.get()) is not None:
-            arena, slots, event = item
+            arena, slots, event, sums = item
             if event is not None:
                 event.synchronize()
+            if sums is not None and self._device is not None:
+                crcs = self._device.checksums(sums)
+                slots = [(s, crc) for (s, _), crc in zip(slots, crcs, strict=True)]
             done = [
                 Written(s, checksum(arena.page(s)) if c is None else c)
                 for s, c in slots

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvstore.arena import checksum
-from kvstore.page_layer import PageCopier, PageLayer
+from kvstore.page_layer import DeviceCopier, PageCopier, PageLayer
 
 
 @pytest.mark.parametrize(
@@ -160,3 +160,76 @@ def test_a_copier_saves_and_loads_pages_summed_as_the_store_checks_them(
     assert not copier.load(page, 5, expected)
     with pytest.raises(ValueError, match="a page is"):
         copier.save(page[:-8], 2)
+
+
+# DeviceCopier is written for GPU caches (tests/kvstore/test_cuda_pages.py runs it
+# there); its torch operations are the same on the host, where these run.
+
+
+def _layers(
+    dtype: torch.dtype, block_dim: int, blocks: int = 12
+) -> tuple[list[PageLayer], int]:
+    shape = (blocks, 16, 72) if block_dim == 0 else (2, blocks, 16, 4, 9)
+    layers, offset = [], 0
+    for i in range(3):
+        bits = torch.randint(0, 256, (*shape[:-1], shape[-1] * dtype.itemsize))
+        cache = bits.to(torch.uint8).view(dtype)  # any bytes, as a page may hold
+        layers.append(PageLayer(f"l{i}", cache, block_dim, offset))
+        offset += layers[-1].nbytes
+    return layers, offset
+
+
+@pytest.mark.parametrize(
+    "dtype, block_dim",
+    [(torch.bfloat16, 0), (torch.float32, 0), (torch.float8_e4m3fn, 1)],
+)
+def test_a_device_copier_moves_many_pages_a_chunk_at_a_time(
+    dtype: torch.dtype, block_dim: int
+) -> None:
+    layers, page_bytes = _layers(dtype, block_dim)
+    copier = DeviceCopier(layers, page_bytes, chunk_bytes=2 * page_bytes)
+    assert copier.per_chunk == 2  # 5 pages: three chunks
+    arena = np.zeros((5, page_bytes), dtype=np.uint8)
+    saved = [7, 0, 11, 3, 5]
+
+    sums = copier.save(list(arena), saved)
+    for page, block in zip(arena, saved, strict=True):
+        assert np.array_equal(page, _page_of(layers, block))
+    # The sums taken on the device give the checksums the store keeps.
+    assert copier.checksums(sums) == [checksum(page) for page in arena]
+
+    before = [x.cache.clone() for x in layers]
+    targets = [1, 2, 4, 6, 8]
+    assert copier.load(list(arena), targets, copier.checksums(sums)) == [True] * 5
+    for layer, old in zip(layers, before, strict=True):
+        for src, dst in zip(saved, targets, strict=True):
+            assert torch.equal(
+                layer.block(dst).view(torch.uint8),
+                old.select(block_dim, src).view(torch.uint8),
+            )
+        for other in (0, 3, 5, 7, 9, 10, 11):  # no other block is written
+            assert torch.equal(
+                layer.block(other).view(torch.uint8),
+                old.select(block_dim, other).view(torch.uint8),
+            )
+
+
+def test_a_device_copier_says_which_pages_failed_their_checksum() -> None:
+    layers, page_bytes = _layers(torch.bfloat16, 0)
+    copier = DeviceCopier(layers, page_bytes, chunk_bytes=page_bytes)
+    arena = np.zeros((3, page_bytes), dtype=np.uint8)
+    expected = copier.checksums(copier.save(list(arena), [0, 1, 2]))
+    arena[1, page_bytes - 1] ^= 0x80  # the last byte of the last layer's part
+    assert copier.load(list(arena), [3, 4, 5], expected) == [True, False, True]
+    arena[1, page_bytes - 1] ^= 0x80
+    arena[[0, 2]] = arena[[2, 0]]  # two whole pages swapped
+    assert copier.load(list(arena), [3, 4, 5], expected) == [False, True, False]
+
+
+def test_a_device_copier_needs_layers_that_tile_a_page_of_words() -> None:
+    layers, page_bytes = _layers(torch.bfloat16, 0)
+    with pytest.raises(ValueError, match="must tile a page"):
+        DeviceCopier(layers, page_bytes + 8)
+    gap = [layers[0], PageLayer("l1", layers[1].cache, 0, layers[0].nbytes + 8)]
+    with pytest.raises(ValueError, match="does not follow"):
+        DeviceCopier(gap, page_bytes)

@@ -24,8 +24,10 @@ PAGE = 128
 class Running:
     """A node store served on its own event loop thread, as the store actor does."""
 
-    def __init__(self, path: str, on_miss: Any = None) -> None:
-        self.store = NodeStore(f"moe-test-{uuid.uuid4().hex[:8]}", 4 * PAGE)
+    def __init__(
+        self, path: str, on_miss: Any = None, capacity_bytes: int = 4 * PAGE
+    ) -> None:
+        self.store = NodeStore(f"moe-test-{uuid.uuid4().hex[:8]}", capacity_bytes)
         self.server = StoreServer(self.store, path, on_miss)
         self.loop = asyncio.new_event_loop()
         started = threading.Event()

@@ -1,6 +1,6 @@
 """Page load bandwidth: arena page -> engine cache buffer, against a plain memcpy.
 
-    .venv/bin/python -m tests.perf.page_copy
+    .venv/bin/python -m tests.perf.page_copy [--gpu]
 
 Three page layouts: one vLLM block of the tiny model's 4 layers (MLA latent 576)
 as each CPU backend keeps it (16 tokens of fp32; 128 tokens of bf16), and one of
@@ -9,7 +9,8 @@ DeepSeek-V3 (64 tokens x 61 layers of bf16: 4.3 MiB). For each: a plain
 memory -> private buffer), the arena load as a cross-node export does it (copy,
 checksummed on the way), and the connector's own load into the layers' paged
 caches and save back (``PageCopier``: checksummed on the way), with their ratios
-to memcpy.
+to memcpy. Where torch has CUDA, the same layouts between the page-locked arena
+and paged caches on the GPU (``measure_gpu``); ``--gpu`` prints that table alone.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import os
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import statistics
+import sys
 import time
 import uuid
+from typing import Any
 
 import numpy as np
 
@@ -158,41 +161,142 @@ def measure_connector(layers: int, tokens: int, dtype: str) -> dict[str, float]:
         arena.close()
 
 
-def measure_gpu(page_bytes: int) -> dict[str, float] | None:
-    """Host->device page loads where CUDA is at hand: the arena registered as
-    pinned memory (as the connector does) and copied on a side stream, against a
-    plain pinned host tensor of the same bytes. None without a GPU."""
+def measure_gpu(layers: int, tokens: int, dtype: str) -> dict[str, float] | None:
+    """GB/s of page loads and saves between the arena and paged caches on a GPU,
+    where CUDA is at hand (else None).
+
+    The arena is page-locked, as the connector's worker does it. Against a plain
+    pinned tensor copied to the GPU a page per copy (``pinned``: DMA's ceiling
+    here) and the arena copied the same way (``arena``): ``PageCopier.load`` a
+    page at a time (``per_page``: each page checksummed on the host, then each
+    layer's part copied by itself, as the connector did before), and the
+    connector's ``DeviceCopier`` (``load``: every page checked on the device;
+    ``save``: the blocks gathered and copied back, then their checksums).
+    Blocks are scattered at random in each layer's paged cache; each figure is
+    the median of three rounds after one to warm up."""
     import torch
 
     if not torch.cuda.is_available():
         return None
+    dt = getattr(torch, dtype)
+    page_bytes = layers * tokens * 576 * dt.itemsize
     pages = max(4, TOTAL_BYTES // page_bytes // 4)
     arena = Arena.create(f"moe-perf-{uuid.uuid4().hex[:8]}", pages, page_bytes)
+    host = torch.from_numpy(arena.pages())
+    cudart = torch.cuda.cudart()
+    if int(cudart.cudaHostRegister(host.data_ptr(), host.numel(), 0)):
+        raise RuntimeError("cudaHostRegister failed on the arena")
     try:
-        host = torch.from_numpy(arena.pages())
-        torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 0)
-        plain = torch.empty((pages, page_bytes), dtype=torch.uint8, pin_memory=True)
-        dev = torch.empty((pages, page_bytes), dtype=torch.uint8, device="cuda")
-        side = torch.cuda.Stream()
-        results = {}
-        for label, src in (("pinned tensor -> GPU", plain), ("arena -> GPU", host)):
-            for rep in range(2):  # the first pass warms up
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                with torch.cuda.stream(side):
-                    for i in range(pages):
-                        dev[i].copy_(src[i], non_blocking=True)
-                side.synchronize()
-                if rep:
-                    results[label] = _rate(pages * page_bytes, time.perf_counter() - t)
-        torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
-        del host
-        return results
+        return _gpu_rounds(arena, host, layers, tokens, dt)
     finally:
+        cudart.cudaHostUnregister(host.data_ptr())
+        del host  # a view of the arena: it closes below
         arena.close()
 
 
+def _gpu_rounds(
+    arena: Arena, host: Any, layers: int, tokens: int, dt: Any
+) -> dict[str, float]:
+    import torch
+
+    from kvstore.page_layer import DeviceCopier, PageCopier, PageLayer
+
+    pages, page_bytes = arena.num_pages, arena.page_bytes
+    block_bytes = page_bytes // layers
+    rng = np.random.default_rng(0)
+    crcs = [
+        arena.write(i, rng.integers(0, 255, page_bytes, np.uint8)) for i in range(pages)
+    ]
+    plain = torch.empty((pages, page_bytes), dtype=torch.uint8, pin_memory=True)
+    plain.copy_(host)
+    flat = torch.empty((pages, page_bytes), dtype=torch.uint8, device="cuda")
+    cache_layers = [
+        PageLayer(
+            f"layer.{j}",
+            torch.zeros((pages * 2, tokens, 576), dtype=dt, device="cuda"),
+            0,
+            j * block_bytes,
+        )
+        for j in range(layers)
+    ]
+    per_page = PageCopier(cache_layers, page_bytes)
+    device = DeviceCopier(cache_layers, page_bytes)
+    blocks = rng.permutation(pages * 2)[:pages].tolist()
+    rows = [arena.page(i) for i in range(pages)]  # freed on return: the arena closes
+
+    def dma(src: torch.Tensor) -> None:
+        for i in range(pages):
+            flat[i].copy_(src[i], non_blocking=True)
+
+    def page_at_a_time() -> None:
+        for i in range(pages):
+            assert per_page.load(rows[i], blocks[i], crcs[i], True)
+
+    def load() -> None:
+        assert all(device.load(rows, blocks, crcs))
+
+    def save() -> None:  # the same bytes back: the pages keep their checksums
+        sums = device.save(rows, blocks)
+        torch.cuda.current_stream().synchronize()
+        assert device.checksums(sums) == crcs
+
+    runs: dict[str, list[float]] = {
+        "pinned": [],
+        "arena": [],
+        "per_page": [],
+        "load": [],
+        "save": [],
+    }
+    steps = (
+        ("pinned", lambda: dma(plain)),
+        ("arena", lambda: dma(host)),
+        ("per_page", page_at_a_time),
+        ("load", load),
+        ("save", save),
+    )
+    for _ in range(4):  # the first round warms up
+        for label, f in steps:
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            f()
+            torch.cuda.synchronize()
+            runs[label].append(_rate(pages * page_bytes, time.perf_counter() - t))
+    # What was loaded is the page, byte for byte.
+    last = cache_layers[-1].block(blocks[-1]).reshape(-1).view(torch.uint8)
+    assert np.array_equal(last.cpu().numpy(), rows[-1][(layers - 1) * block_bytes :])
+    return {k: statistics.median(v[1:]) for k, v in runs.items()}
+
+
+def gpu_table() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("host <-> GPU page copies: unmeasured (no CUDA device here)")
+        return
+    print(f"GPU: {torch.cuda.get_device_name()}")
+    print(
+        "| page | pinned -> GPU GB/s | arena -> GPU GB/s "
+        "| a page at a time, checked (x pinned) "
+        "| connector load, checked (x pinned) "
+        "| connector save, checksummed (x pinned) |"
+    )
+    print("|---|---|---|---|---|---|")
+    for label, layout in LAYOUTS.items():
+        g = measure_gpu(*layout)
+        assert g is not None
+        p = g["pinned"]
+        print(
+            f"| {label} | {p:.1f} | {g['arena']:.1f} | "
+            f"{g['per_page']:.1f} ({g['per_page'] / p:.2f}x) | "
+            f"{g['load']:.1f} ({g['load'] / p:.2f}x) | "
+            f"{g['save']:.1f} ({g['save'] / p:.2f}x) |"
+        )
+
+
 def main() -> None:
+    if "--gpu" in sys.argv[1:]:  # the GPU's table alone
+        gpu_table()
+        return
     print("| page | memcpy GB/s | arena copy GB/s | arena load, checked GB/s |")
     print("|---|---|---|---|")
     for label, size in SIZES.items():
@@ -216,15 +320,8 @@ def main() -> None:
             f"{c['load_page']:.1f} ({c['load_page'] / m:.2f}x) | "
             f"{c['save_page']:.1f} ({c['save_page'] / m:.2f}x) |"
         )
-    for label, size in SIZES.items():
-        g = measure_gpu(size)
-        if g is None:
-            print(f"{label}: host->GPU unmeasured (no CUDA device here)")
-        else:
-            print(
-                f"{label}: pinned tensor -> GPU {g['pinned tensor -> GPU']:.1f} GB/s, "
-                f"arena -> GPU {g['arena -> GPU']:.1f} GB/s"
-            )
+    print()
+    gpu_table()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,239 @@
+"""The connector's CUDA path on a GPU: the arena page-locked, pages saved from and
+loaded into vLLM's paged caches in device memory, in the order the engine's own
+stream needs.
+
+Opt-in (``make test-gpu``, marker ``gpu``) and skipped where torch sees no CUDA
+device. The caches are MLA caches as vLLM allocates them on a GPU: blocks first,
+64 tokens of 576 latents, bf16. The store is a real node store on its Unix socket.
+``torch.cuda._sleep`` keeps a stream busy, standing in for a forward pass (or
+earlier saves) still running when the connector is called, so a copy that does
+not wait for it reads or writes the block at the wrong time, every run.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import types
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.arena import checksum
+from kvstore.connector_scheduler import Loads, PageLoad, PageSave
+from kvstore.connector_worker import StoreWorker
+from kvstore.page_layer import DeviceCopier, PageLayer
+from kvstore.rpc import Found, StoreClient
+from tests.kvstore.test_rpc import Running
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+LAYERS, BLOCK, LATENT, NUM_BLOCKS = 4, 64, 576, 96
+PAGE_BYTES = LAYERS * BLOCK * LATENT * 2
+HASHES = [bytes([i]) * 32 for i in range(64)]
+SPIN = 200_000_000  # GPU cycles (~0.1 s): the forward pass still running
+
+
+@pytest.fixture(autouse=True)
+def vllm_view(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PageLayer.of_vllm_cache`` views a cache through vLLM's
+    ``group_kernel_blocks``. Where torch has CUDA but vLLM is not installed, that
+    one view is stood in: for caches of one kernel block per block, as these
+    are, it is the cache itself."""
+    try:
+        import vllm.v1.kv_cache_interface  # noqa: F401
+    except ImportError:
+        module = types.ModuleType("vllm.v1.kv_cache_interface")
+
+        def group_kernel_blocks(cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
+            assert cache.shape[0] == num_blocks
+            return cache
+
+        module.group_kernel_blocks = group_kernel_blocks  # type: ignore[attr-defined]
+        for name in ("vllm", "vllm.v1"):
+            monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+        monkeypatch.setitem(sys.modules, "vllm.v1.kv_cache_interface", module)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[str]:
+    running = Running(str(tmp_path / "store.sock"), capacity_bytes=64 * PAGE_BYTES)
+    yield running.server.path
+    running.stop()
+
+
+class Engine:
+    """One engine's caches on the GPU, its connector worker, and a client for
+    what its scheduler side asks the store."""
+
+    def __init__(self, path: str, fill: bool) -> None:
+        shape = (NUM_BLOCKS, BLOCK, LATENT)
+        self.caches = {
+            f"model.layers.{i}.self_attn.attn": (
+                torch.randn(shape, device="cuda").to(torch.bfloat16)
+                if fill
+                else torch.zeros(shape, device="cuda", dtype=torch.bfloat16)
+            )
+            for i in range(LAYERS)
+        }
+        self.warnings: list[Exception] = []
+        self.worker_client = StoreClient(path)
+        self.worker = StoreWorker(
+            self.worker_client, NUM_BLOCKS, "tiny", BLOCK, self.warnings.append
+        )
+        self.worker.register(self.caches)
+        self.client = StoreClient(path)
+
+    def block(self, block_id: int) -> np.ndarray:
+        """Every layer's block, in page order, as host bytes."""
+        parts = [
+            c[block_id].reshape(-1).view(torch.uint8) for c in self.caches.values()
+        ]
+        return torch.cat(parts).cpu().numpy()
+
+    def page(self, slot: int) -> np.ndarray:
+        assert self.worker._arena is not None
+        return self.worker._arena.page(slot)
+
+    def stored(self, hashes: Sequence[bytes], timeout_s: float = 10.0) -> Found:
+        """The stored run of ``hashes``, once all are published (or the time is
+        up): the worker publishes from a background thread."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = self.client.lookup("probe", hashes, "", [], BLOCK, 0)
+            self.client.release("probe")
+            if len(found.refs) == len(hashes) or time.monotonic() > deadline:
+                return found
+            time.sleep(0.01)
+
+    def load(self, rid: str, hashes: Sequence[bytes], blocks: Sequence[int]) -> None:
+        """What one step does for a request whose pages the store holds: the
+        scheduler side pins them, the worker loads them before the forward."""
+        found = self.client.lookup(rid, hashes, "", [], BLOCK, 0)
+        pages = [
+            PageLoad(ref.slot, ref.checksum, ref.page_hash, block)
+            for ref, block in zip(found.refs, blocks, strict=False)
+        ]
+        self.worker.start_load({rid: Loads(found.arena, pages)})
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.worker_client.close()
+        self.client.close()
+
+
+@pytest.fixture
+def engines(store: str) -> Iterator[tuple[Engine, Engine]]:
+    a, b = Engine(store, fill=True), Engine(store, fill=False)
+    yield a, b
+    for e in (a, b):
+        assert e.warnings == []
+        e.close()
+
+
+def test_the_arena_is_page_locked_for_dma(engines: tuple[Engine, Engine]) -> None:
+    for e in engines:
+        registered = e.worker._registered
+        assert registered is not None and registered.is_pinned()
+        assert registered.numel() == 64 * PAGE_BYTES
+
+
+def test_pages_saved_on_one_gpu_engine_load_into_another(
+    engines: tuple[Engine, Engine],
+) -> None:
+    a, b = engines
+    saved, targets = list(range(16)), list(range(40, 56))
+    a.worker.save([PageSave(HASHES[i], block) for i, block in enumerate(saved)])
+    found = b.stored(HASHES[:16])
+    assert len(found.refs) == 16
+    for ref, block in zip(found.refs, saved, strict=True):
+        assert np.array_equal(b.page(ref.slot), a.block(block))  # byte for byte
+        # Summed on the GPU, checked as the host checks it (exports, CPU engines)
+        assert ref.checksum == checksum(b.page(ref.slot))
+
+    b.load("r1", HASHES[:16], targets)
+    assert b.worker.load_errors() == set()
+    for src, dst in zip(saved, targets, strict=True):
+        assert np.array_equal(b.block(dst), a.block(src))
+    others = [x for x in range(NUM_BLOCKS) if x not in targets]
+    for cache in b.caches.values():
+        assert not cache[others].any()
+
+
+def test_a_damaged_page_is_recomputed_and_dropped(
+    engines: tuple[Engine, Engine],
+) -> None:
+    a, b = engines
+    a.worker.save([PageSave(HASHES[i], i) for i in range(4)])
+    found = b.stored(HASHES[:4])
+    b.page(found.refs[2].slot)[100] ^= 0xFF
+
+    b.load("r2", HASHES[:4], [60, 61, 62, 63])
+    # vLLM recomputes the damaged page's blocks and the rest of the prefix.
+    assert b.worker.load_errors() == {62, 63}
+    assert np.array_equal(b.block(60), a.block(0))
+    assert np.array_equal(b.block(61), a.block(1))
+    assert len(b.stored(HASHES[:4], timeout_s=0).refs) == 2  # dropped from the store
+
+
+def test_a_save_copies_what_the_forward_wrote_before_it(
+    engines: tuple[Engine, Engine],
+) -> None:
+    a, _ = engines
+    torch.cuda._sleep(SPIN)  # the forward, still running on the engine's stream,
+    for cache in a.caches.values():
+        cache[5].fill_(7.0)  # writes the block's last tokens
+    a.worker.save([PageSave(HASHES[0], 5)])  # called while it runs
+
+    [ref] = a.stored(HASHES[:1]).refs
+    seven = torch.full((BLOCK * LATENT,), 7.0, dtype=torch.bfloat16)
+    assert np.array_equal(a.page(ref.slot), seven.view(torch.uint8).repeat(LAYERS))
+
+
+def test_the_next_forward_reuses_blocks_only_once_they_are_saved(
+    engines: tuple[Engine, Engine],
+) -> None:
+    a, _ = engines
+    before = [a.block(i) for i in range(48)]
+    with torch.cuda.stream(a.worker._stream):
+        torch.cuda._sleep(SPIN)  # the last step's saves, still copying
+    a.worker.save([PageSave(HASHES[i], i) for i in range(48)])  # queued behind
+    a.worker.start_load({})  # the next step: nothing to load
+    for cache in a.caches.values():
+        cache[:48].zero_()  # its forward writes new tokens into freed blocks
+
+    found = a.stored(HASHES[:48])
+    assert len(found.refs) == 48
+    for ref, old in zip(found.refs, before, strict=True):
+        assert np.array_equal(a.page(ref.slot), old)
+
+
+def test_pages_cross_the_staging_buffer_a_chunk_at_a_time() -> None:
+    # 10 pages through a staging buffer of 3: four chunks, each reusing it.
+    caches = [
+        torch.randn(NUM_BLOCKS, BLOCK, LATENT, device="cuda").to(torch.bfloat16)
+        for _ in range(LAYERS)
+    ]
+    nbytes = BLOCK * LATENT * 2
+    layers = [PageLayer(f"l{i}", c, 0, i * nbytes) for i, c in enumerate(caches)]
+    copier = DeviceCopier(layers, PAGE_BYTES, chunk_bytes=3 * PAGE_BYTES)
+    pages = torch.zeros((10, PAGE_BYTES), dtype=torch.uint8, pin_memory=True).numpy()
+    saved, targets = list(range(10, 20)), list(range(70, 80))
+
+    sums = copier.save(list(pages), saved)
+    torch.cuda.current_stream().synchronize()
+    crcs = copier.checksums(sums)
+    assert crcs == [checksum(page) for page in pages]
+    for page, block in zip(pages, saved, strict=True):
+        parts = [c[block].reshape(-1).view(torch.uint8) for c in caches]
+        assert np.array_equal(page, torch.cat(parts).cpu().numpy())
+
+    assert copier.load(list(pages), targets, crcs) == [True] * 10
+    for cache in caches:
+        assert torch.equal(cache[70:80], cache[10:20])
