@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -267,6 +268,28 @@ def _gpu_rounds(
     return {k: statistics.median(v[1:]) for k, v in runs.items()}
 
 
+def _against(rates: dict[str, float], base: float, keys: Sequence[str]) -> list[str]:
+    """Table cells: each rate in GB/s, with its ratio to ``base``."""
+    return [f"{rates[k]:.1f} ({rates[k] / base:.2f}x)" for k in keys]
+
+
+def _table(columns: Sequence[str], rows: Iterable[Sequence[str]]) -> None:
+    """Prints a markdown table, each row as soon as it is measured."""
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for row in rows:
+        print("| " + " | ".join(row) + " |", flush=True)
+
+
+def _gpu_rows() -> Iterator[list[str]]:
+    for label, layout in LAYOUTS.items():
+        g = measure_gpu(*layout)
+        assert g is not None
+        p = g["pinned"]
+        rates = [f"{p:.1f}", f"{g['arena']:.1f}"]
+        yield [label, *rates, *_against(g, p, ("per_page", "load", "save"))]
+
+
 def gpu_table() -> None:
     import torch
 
@@ -274,52 +297,52 @@ def gpu_table() -> None:
         print("host <-> GPU page copies: unmeasured (no CUDA device here)")
         return
     print(f"GPU: {torch.cuda.get_device_name()}")
-    print(
-        "| page | pinned -> GPU GB/s | arena -> GPU GB/s "
-        "| a page at a time, checked (x pinned) "
-        "| connector load, checked (x pinned) "
-        "| connector save, checksummed (x pinned) |"
+    _table(
+        [
+            "page",
+            "pinned -> GPU GB/s",
+            "arena -> GPU GB/s",
+            "a page at a time, checked (x pinned)",
+            "connector load, checked (x pinned)",
+            "connector save, checksummed (x pinned)",
+        ],
+        _gpu_rows(),
     )
-    print("|---|---|---|---|---|---|")
+
+
+def _arena_rows() -> Iterator[list[str]]:
+    for label, size in SIZES.items():
+        r = measure(size)
+        rates = (r["memcpy"], r["arena copy"], r["arena load, checked"])
+        yield [f"{label}, {size / 1024:.0f} KiB", *(f"{x:.1f}" for x in rates)]
+
+
+def _connector_rows() -> Iterator[list[str]]:
     for label, layout in LAYOUTS.items():
-        g = measure_gpu(*layout)
-        assert g is not None
-        p = g["pinned"]
-        print(
-            f"| {label} | {p:.1f} | {g['arena']:.1f} | "
-            f"{g['per_page']:.1f} ({g['per_page'] / p:.2f}x) | "
-            f"{g['load']:.1f} ({g['load'] / p:.2f}x) | "
-            f"{g['save']:.1f} ({g['save'] / p:.2f}x) |"
-        )
+        c = measure_connector(*layout)
+        m = c["memcpy"]
+        yield [label, f"{m:.1f}", *_against(c, m, ("copies", "load_page", "save_page"))]
 
 
 def main() -> None:
     if "--gpu" in sys.argv[1:]:  # the GPU's table alone
         gpu_table()
         return
-    print("| page | memcpy GB/s | arena copy GB/s | arena load, checked GB/s |")
-    print("|---|---|---|---|")
-    for label, size in SIZES.items():
-        r = measure(size)
-        print(
-            f"| {label}, {size / 1024:.0f} KiB | {r['memcpy']:.1f} | "
-            f"{r['arena copy']:.1f} | {r['arena load, checked']:.1f} |"
-        )
-    print()
-    print(
-        "| page | memcpy from the arena GB/s | connector copies GB/s (x memcpy) "
-        "| connector load, checked GB/s (x memcpy) "
-        "| connector save, summed GB/s (x memcpy) |"
+    _table(
+        ["page", "memcpy GB/s", "arena copy GB/s", "arena load, checked GB/s"],
+        _arena_rows(),
     )
-    print("|---|---|---|---|---|")
-    for label, layout in LAYOUTS.items():
-        c = measure_connector(*layout)
-        m = c["memcpy"]
-        print(
-            f"| {label} | {m:.1f} | {c['copies']:.1f} ({c['copies'] / m:.2f}x) | "
-            f"{c['load_page']:.1f} ({c['load_page'] / m:.2f}x) | "
-            f"{c['save_page']:.1f} ({c['save_page'] / m:.2f}x) |"
-        )
+    print()
+    _table(
+        [
+            "page",
+            "memcpy from the arena GB/s",
+            "connector copies GB/s (x memcpy)",
+            "connector load, checked GB/s (x memcpy)",
+            "connector save, summed GB/s (x memcpy)",
+        ],
+        _connector_rows(),
+    )
     print()
     gpu_table()
 
