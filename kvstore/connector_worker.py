@@ -111,7 +111,6 @@ class StoreWorker:
             offset += layer.nbytes
         first = next(iter(kv_caches.values()))
         self._page_bytes = offset
-        self._copier = PageCopier(self._layers, offset)
         # Engines share a store only with pages of the same layout.
         self._layout = (
             f"{self._model}|{first.dtype}|block {self._block_size}|"
@@ -120,6 +119,8 @@ class StoreWorker:
         if first.is_cuda:
             self._stream = torch.cuda.Stream(device=first.device)  # type: ignore[no-untyped-call]
             self._device = DeviceCopier(self._layers, offset)
+        else:
+            self._copier = PageCopier(self._layers, offset)
         self._attach(at_start=True)
         self._committer = threading.Thread(
             target=self._commit_loop, name="kvstore-commit", daemon=True
@@ -217,7 +218,7 @@ class StoreWorker:
             # The store restarted between lookup and load: recompute.
             self._load_errors.update(p.block_id for p in pages)
             return 0, 0
-        assert self._arena is not None and self._copier is not None
+        assert self._arena is not None
         arena = self._arena
         if self._device is not None:  # waits for the copies: the lease ends below
             good = self._device.load(
@@ -227,6 +228,7 @@ class StoreWorker:
             )
             loaded = next((i for i, ok in enumerate(good) if not ok), len(pages))
         else:
+            assert self._copier is not None
             loaded = 0
             for p in pages:
                 if not self._copier.load(arena.page(p.slot), p.block_id, p.checksum):
@@ -252,7 +254,7 @@ class StoreWorker:
             self._warn(e)
             self._attach()
             return
-        assert self._arena is not None and self._copier is not None
+        assert self._arena is not None
         arena, stream = self._arena, self._stream
         todo = [  # no slot: stored already (or the store is full of pinned pages)
             (slot, s.block_id)
@@ -262,6 +264,7 @@ class StoreWorker:
         if not todo:
             return
         if stream is None or self._device is None:
+            assert self._copier is not None
             written = [
                 (slot, self._copier.save(arena.page(slot), block))
                 for slot, block in todo
