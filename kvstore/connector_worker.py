@@ -263,7 +263,7 @@ class StoreWorker:
         ]
         if not todo:
             return
-        if stream is None or self._device is None:
+        if self._device is None:
             assert self._copier is not None
             written = [
                 (slot, self._copier.save(arena.page(slot), block))
@@ -308,7 +308,7 @@ class StoreWorker:
             self._commits.put(None)
             self._committer.join(timeout=5)
         self._unregister_arena()
-        self._layers, self._copier = [], None
+        self._layers, self._copier, self._device = [], None, None
         for arena in [*self._retired, *([self._arena] if self._arena else [])]:
             arena.close()
         self._arena, self._retired = None, []

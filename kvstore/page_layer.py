@@ -136,7 +136,8 @@ class PageCopier:
         blocks are not whole rows, each layer's part is summed right after it is
         copied, while it is still in the CPU's cache. A page that fails has had
         its blocks written: the caller reports them to vLLM, which recomputes
-        them. Device caches: the page is checked in place, then copied by DMA."""
+        them. Device caches: the page is checked in place, then copied by DMA, a
+        layer at a time (the connector's worker uses ``DeviceCopier`` for them)."""
         if page.nbytes != self.page_bytes:
             raise ValueError(f"a page is {self.page_bytes} bytes, got {page.nbytes}")
         if self._rows is not None:
@@ -176,7 +177,8 @@ class DeviceCopier:
     and a staging buffer on the device; one kernel per layer then scatters the
     staged pages into their blocks (``index_copy_``), or gathers the blocks into
     them (``index_select``), and the pages' sums (``page_sum``'s, modulo 2**64 in
-    int64 arithmetic) are taken on the device. Pages go through the staging
+    int64 arithmetic, whose bits ``page_sum.digest`` reads) are taken on the
+    device. Pages go through the staging
     buffer ``chunk_bytes`` at a time. Copying each layer's part of each page by
     itself, as ``PageCopier`` does for host caches, took ~60 copies of 72 KiB per
     DeepSeek-V3 page, each paying torch's and the driver's cost per call: 0.06x
@@ -234,7 +236,7 @@ class DeviceCopier:
                 cache.index_copy_(dim, ids, part.movedim(0, dim))
         got = sums.cpu().tolist()  # waits for the stream
         return [
-            self._digest(s1, s2) == want
+            page_sum.digest(s1, s2, self.page_bytes) == want
             for (s1, s2), want in zip(got, expected, strict=True)
         ]
 
@@ -261,11 +263,7 @@ class DeviceCopier:
 
     def checksums(self, sums: torch.Tensor) -> list[int]:
         """The checksums of the pages ``save`` returned ``sums`` for."""
-        return [self._digest(s1, s2) for s1, s2 in sums.tolist()]
-
-    def _digest(self, s1: int, s2: int) -> int:
-        mask = (1 << 64) - 1
-        return page_sum.digest(s1 & mask, s2 & mask, self.page_bytes)
+        return [page_sum.digest(s1, s2, self.page_bytes) for s1, s2 in sums.tolist()]
 
     def _sum(self, staged: torch.Tensor, out: torch.Tensor) -> None:
         words = staged.view(torch.int64)  # wraps as uint64 does: the same bits

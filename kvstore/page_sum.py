@@ -96,8 +96,9 @@ def _fmix64(h: int) -> int:
 
 
 def digest(s1: int, s2: int, nbytes: int) -> int:
-    """The checksum of ``nbytes`` bytes whose words summed to ``s1`` and ``s2``."""
-    return _fmix64(_fmix64((int(s1) ^ nbytes) & _MASK) ^ int(s2))
+    """The checksum of ``nbytes`` bytes whose words summed to ``s1`` and ``s2``
+    (their 64 bits, unsigned or as signed int64 sums)."""
+    return _fmix64(_fmix64((int(s1) ^ nbytes) & _MASK) ^ (int(s2) & _MASK))
 
 
 def words(data: npt.NDArray[np.uint8]) -> Words:
