@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -80,6 +80,57 @@ def measure(page_bytes: int) -> dict[str, float]:
         arena.close()
 
 
+def _random_pages(arena: Arena) -> list[int]:
+    """Fills the arena with random pages; their checksums."""
+    rng = np.random.default_rng(0)
+    return [
+        arena.write(i, rng.integers(0, 255, arena.page_bytes, np.uint8))
+        for i in range(arena.num_pages)
+    ]
+
+
+def _paged_caches(
+    arena: Arena, layers: int, block_shape: tuple[int, ...], dt: Any, device: str
+) -> tuple[list[Any], list[int]]:
+    """A paged cache per layer (twice as many blocks as the arena has pages,
+    ``block_shape`` each), the layers' parts tiling a page in order, and a
+    block for each page, scattered at random."""
+    import torch
+
+    from kvstore.page_layer import PageLayer
+
+    blocks = arena.num_pages * 2
+    caches = [
+        PageLayer(
+            f"layer.{j}",
+            torch.zeros((blocks, *block_shape), dtype=dt, device=device),
+            0,
+            j * arena.page_bytes // layers,
+        )
+        for j in range(layers)
+    ]
+    scattered = np.random.default_rng(1).permutation(blocks)[: arena.num_pages]
+    return caches, scattered.tolist()
+
+
+def _medians(
+    nbytes: int, steps: Sequence[tuple[str, Callable[[], None]]], sync: Any = None
+) -> dict[str, float]:
+    """GB/s of each step over ``nbytes``, alternated four rounds, the medians
+    of the last three (the first warms up); ``sync`` waits for a device."""
+    runs: dict[str, list[float]] = {label: [] for label, _ in steps}
+    for _ in range(4):
+        for label, f in steps:
+            if sync:
+                sync()
+            t = time.perf_counter()
+            f()
+            if sync:
+                sync()
+            runs[label].append(_rate(nbytes, time.perf_counter() - t))
+    return {k: statistics.median(v[1:]) for k, v in runs.items()}
+
+
 def measure_connector(layers: int, tokens: int, dtype: str) -> dict[str, float]:
     """GB/s of the connector's own load on CPU, against a memcpy of the same arena
     pages into one private buffer, alternated three times (medians): the copies
@@ -90,7 +141,7 @@ def measure_connector(layers: int, tokens: int, dtype: str) -> dict[str, float]:
     paged cache."""
     import torch
 
-    from kvstore.page_layer import PageCopier, PageLayer
+    from kvstore.page_layer import PageCopier
 
     dt = getattr(torch, dtype)
     block_bytes = tokens * 576 * dt.itemsize
@@ -98,21 +149,8 @@ def measure_connector(layers: int, tokens: int, dtype: str) -> dict[str, float]:
     pages = max(4, TOTAL_BYTES // page_bytes // 4)
     arena = Arena.create(f"moe-perf-{uuid.uuid4().hex[:8]}", pages, page_bytes)
     try:
-        rng = np.random.default_rng(0)
-        crcs = [
-            arena.write(i, rng.integers(0, 255, page_bytes, np.uint8))
-            for i in range(pages)
-        ]
-        cache_layers = [
-            PageLayer(
-                f"layer.{j}",
-                torch.zeros((pages * 2, 1, tokens, 576), dtype=dt),
-                0,
-                j * block_bytes,
-            )
-            for j in range(layers)
-        ]
-        blocks = rng.permutation(pages * 2)[:pages].tolist()
+        crcs = _random_pages(arena)
+        cache_layers, blocks = _paged_caches(arena, layers, (1, tokens, 576), dt, "cpu")
         private = np.ones((pages, page_bytes), dtype=np.uint8)
 
         def memcpy() -> None:
@@ -136,28 +174,21 @@ def measure_connector(layers: int, tokens: int, dtype: str) -> dict[str, float]:
                 summed = copier.save(arena.page(i), blocks[i])
                 assert summed is None or summed == crcs[i]
 
-        runs: dict[str, list[float]] = {
-            "memcpy": [],
-            "copies": [],
-            "load_page": [],
-            "save_page": [],
-        }
-        for _ in range(4):  # the first round warms up
-            for label, f in (
+        rates = _medians(
+            pages * page_bytes,
+            [
                 ("memcpy", memcpy),
                 ("copies", copies),
                 ("load_page", load),
                 ("save_page", save),
-            ):
-                t = time.perf_counter()
-                f()
-                runs[label].append(_rate(pages * page_bytes, time.perf_counter() - t))
+            ],
+        )
         # What was loaded is the page, byte for byte.
         last = cache_layers[-1].block(blocks[-1]).contiguous().view(torch.uint8)
         tail = arena.page(pages - 1)[(layers - 1) * block_bytes :]
         assert np.array_equal(last.numpy().reshape(-1), tail)
         del tail  # a view into the arena: it closes below
-        return {k: statistics.median(v[1:]) for k, v in runs.items()}
+        return rates
     finally:
         arena.close()
 
@@ -200,29 +231,16 @@ def _gpu_rounds(
 ) -> dict[str, float]:
     import torch
 
-    from kvstore.page_layer import DeviceCopier, PageCopier, PageLayer
+    from kvstore.page_layer import DeviceCopier, PageCopier
 
     pages, page_bytes = arena.num_pages, arena.page_bytes
-    block_bytes = page_bytes // layers
-    rng = np.random.default_rng(0)
-    crcs = [
-        arena.write(i, rng.integers(0, 255, page_bytes, np.uint8)) for i in range(pages)
-    ]
+    crcs = _random_pages(arena)
     plain = torch.empty((pages, page_bytes), dtype=torch.uint8, pin_memory=True)
     plain.copy_(host)
     flat = torch.empty((pages, page_bytes), dtype=torch.uint8, device="cuda")
-    cache_layers = [
-        PageLayer(
-            f"layer.{j}",
-            torch.zeros((pages * 2, tokens, 576), dtype=dt, device="cuda"),
-            0,
-            j * block_bytes,
-        )
-        for j in range(layers)
-    ]
+    cache_layers, blocks = _paged_caches(arena, layers, (tokens, 576), dt, "cuda")
     per_page = PageCopier(cache_layers, page_bytes)
     device = DeviceCopier(cache_layers, page_bytes)
-    blocks = rng.permutation(pages * 2)[:pages].tolist()
     rows = [arena.page(i) for i in range(pages)]  # freed on return: the arena closes
 
     def dma(src: torch.Tensor) -> None:
@@ -241,31 +259,22 @@ def _gpu_rounds(
         torch.cuda.current_stream().synchronize()
         assert device.checksums(sums) == crcs
 
-    runs: dict[str, list[float]] = {
-        "pinned": [],
-        "arena": [],
-        "per_page": [],
-        "load": [],
-        "save": [],
-    }
-    steps = (
-        ("pinned", lambda: dma(plain)),
-        ("arena", lambda: dma(host)),
-        ("per_page", page_at_a_time),
-        ("load", load),
-        ("save", save),
+    rates = _medians(
+        pages * page_bytes,
+        [
+            ("pinned", lambda: dma(plain)),
+            ("arena", lambda: dma(host)),
+            ("per_page", page_at_a_time),
+            ("load", load),
+            ("save", save),
+        ],
+        torch.cuda.synchronize,
     )
-    for _ in range(4):  # the first round warms up
-        for label, f in steps:
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            f()
-            torch.cuda.synchronize()
-            runs[label].append(_rate(pages * page_bytes, time.perf_counter() - t))
     # What was loaded is the page, byte for byte.
     last = cache_layers[-1].block(blocks[-1]).reshape(-1).view(torch.uint8)
+    block_bytes = page_bytes // layers
     assert np.array_equal(last.cpu().numpy(), rows[-1][(layers - 1) * block_bytes :])
-    return {k: statistics.median(v[1:]) for k, v in runs.items()}
+    return rates
 
 
 def _against(rates: dict[str, float], base: float, keys: Sequence[str]) -> list[str]:
