@@ -28,7 +28,7 @@ import torch
 from cluster import tracing
 from kvstore.arena import Arena, checksum
 from kvstore.connector_scheduler import Loads, PageSave
-from kvstore.page_layer import DeviceCopier, PageCopier, PageLayer
+from kvstore.page_layer import DeviceCopier, PageCopier, PageLayer, Saved
 from kvstore.rpc import StoreClient, StoreError, Written
 
 logger = logging.getLogger("moe_cluster.kvstore")
@@ -95,7 +95,7 @@ class StoreWorker:
         # CUDA event marking the copies done, their sums taken on the GPU) to
         # checksum and publish
         self._commits: queue.Queue[
-            tuple[Arena, list[tuple[int, int | None]], Any, torch.Tensor | None] | None
+            tuple[Arena, list[tuple[int, int | None]], Any, Saved | None] | None
         ] = queue.Queue()
         self._committer: threading.Thread | None = None
 
@@ -118,7 +118,9 @@ class StoreWorker:
         )
         if first.is_cuda:
             self._stream = torch.cuda.Stream(device=first.device)  # type: ignore[no-untyped-call]
-            self._device = DeviceCopier(self._layers, offset)
+            self._device = DeviceCopier(
+                self._layers, offset, max_pages=self._num_blocks
+            )
         else:
             self._copier = PageCopier(self._layers, offset)
         self._attach(at_start=True)

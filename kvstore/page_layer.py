@@ -9,7 +9,9 @@ blocks into the scheduler's blocks, as vLLM's own offloading connector reads it.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -178,17 +180,26 @@ class DeviceCopier:
     staged pages into their blocks (``index_copy_``), or gathers the blocks into
     them (``index_select``), and the pages' sums (``page_sum``'s, modulo 2**64 in
     int64 arithmetic, whose bits ``page_sum.digest`` reads) are taken on the
-    device. Pages go through the staging
-    buffer ``chunk_bytes`` at a time. Copying each layer's part of each page by
-    itself, as ``PageCopier`` does for host caches, took ~60 copies of 72 KiB per
-    DeepSeek-V3 page, each paying torch's and the driver's cost per call: 0.06x
-    to 0.08x of what DMA moved on an H200 (tests/perf/page_copy.py --gpu).
+    device. Pages go through the staging buffer ``chunk_bytes`` at a time.
+    Copying each layer's part of each page by itself, as ``PageCopier`` does for
+    host caches, took ~60 copies of 72 KiB per DeepSeek-V3 page, each paying
+    torch's and the driver's cost per call: 0.06x to 0.08x of what DMA moved on
+    an H200 (tests/perf/page_copy.py --gpu).
 
-    Both directions run on the current stream; ``load`` waits for it, ``save``
-    does not (its sums are read once the stream has passed it)."""
+    Loads run on one stream (the engine's) and wait for it; saves run on another
+    and do not (their sums are read once the stream has passed them). Every
+    buffer a step uses is allocated up front: its block ids and sums go through
+    page-locked host buffers (``max_pages`` each) that a save holds until its
+    sums are read. An allocation in a step would be a hidden synchronisation
+    (``cudaHostAlloc``, and ``cudaMalloc`` may be one), which orders the two
+    streams by accident and hides a missing wait."""
 
     def __init__(
-        self, layers: Sequence[PageLayer], page_bytes: int, chunk_bytes: int = 32 << 20
+        self,
+        layers: Sequence[PageLayer],
+        page_bytes: int,
+        chunk_bytes: int = 32 << 20,
+        max_pages: int = 1024,
     ) -> None:
         offset = 0
         for layer in layers:
@@ -202,18 +213,16 @@ class DeviceCopier:
             )
         self.layers, self.page_bytes = tuple(layers), page_bytes
         self.device = layers[0].cache.device
-        # Copied as bytes, whatever the dtype (fp8 has no index kernels).
-        self._bytes = [(x.block_dim, x.cache.view(torch.uint8)) for x in layers]
-        self.per_chunk = max(1, chunk_bytes // page_bytes)
-        self._staging = [  # loads and saves run on different streams
-            torch.empty(
-                (self.per_chunk, page_bytes), dtype=torch.uint8, device=self.device
-            )
-            for _ in range(2)
-        ]
+        self.per_chunk, self.max_pages = max(1, chunk_bytes // page_bytes), max_pages
+        self._pinned = self.device.type == "cuda"
         self._weights = torch.arange(
             1, page_bytes // 4, 2, dtype=torch.int64, device=self.device
         )  # word i weighs 2i + 1
+        # One of each per direction: loads and saves run on different streams.
+        self._ways = [_Way(self, self.per_chunk) for _ in range(2)]
+        self._load_host = self._host(max_pages)  # a load waits: one is enough
+        self._free = [self._host(max_pages) for _ in range(2)]
+        self._lock = threading.Lock()
 
     def load(
         self, pages: Sequence[Bytes], blocks: Sequence[int], expected: Sequence[int]
@@ -223,71 +232,122 @@ class DeviceCopier:
         copies: the pages may be given back once it returns. A page that failed
         has had its blocks written: the caller reports them to vLLM, which
         recomputes them."""
-        staging = self._staging[0]
-        sums = torch.empty((len(pages), 2), dtype=torch.int64, device=self.device)
+        way = self._ways[0]
+        host = self._load_host if len(pages) <= self.max_pages else None
+        host = host or self._host(len(pages))
+        host.ids.numpy()[: len(blocks)] = blocks
         for start in range(0, len(pages), self.per_chunk):
             chunk = pages[start : start + self.per_chunk]
-            staged = staging[: len(chunk)]
-            for i, page in enumerate(chunk):
-                staged[i].copy_(torch.from_numpy(page), non_blocking=True)
-            self._sum(staged, sums[start : start + len(chunk)])
-            ids = self._ids(blocks[start : start + len(chunk)])
-            for dim, cache, part in self._parts(staged):
-                cache.index_copy_(dim, ids, part.movedim(0, dim))
-        got = sums.cpu().tolist()  # waits for the stream
+            n = len(chunk)
+            for row, page in zip(way.rows, chunk, strict=False):
+                row.copy_(torch.from_numpy(page), non_blocking=True)
+            ids = way.ids_of(host, start, n)
+            for dim, cache, part in way.parts(n):
+                cache.index_copy_(dim, ids, part)
+            way.sum_into(host, start, n)
+        if self._pinned:
+            torch.cuda.current_stream(self.device).synchronize()
+        got = host.sums[: len(pages)].tolist()
         return [
             page_sum.digest(s1, s2, self.page_bytes) == want
             for (s1, s2), want in zip(got, expected, strict=True)
         ]
 
-    def save(self, pages: Sequence[Bytes], blocks: Sequence[int]) -> torch.Tensor:
+    def save(self, pages: Sequence[Bytes], blocks: Sequence[int]) -> Saved:
         """Copies block ``blocks[i]`` of every layer into ``pages[i]``, queued on
-        the current stream. Returns the pages' sums in host memory, there once
-        the stream has passed this point: ``checksums`` reads them then."""
-        staging = self._staging[1]
-        sums = torch.empty((len(pages), 2), dtype=torch.int64, device=self.device)
+        the current stream. Returns where the pages' sums will be, once the stream
+        has passed this point: ``checksums`` reads them then, once."""
+        way, host = self._ways[1], self._take(len(pages))
+        host.ids.numpy()[: len(blocks)] = blocks
         for start in range(0, len(pages), self.per_chunk):
             chunk = pages[start : start + self.per_chunk]
-            staged = staging[: len(chunk)]
-            ids = self._ids(blocks[start : start + len(chunk)])
-            for dim, cache, part in self._parts(staged):
-                part.copy_(cache.index_select(dim, ids).movedim(dim, 0))
-            self._sum(staged, sums[start : start + len(chunk)])
-            for i, page in enumerate(chunk):
-                torch.from_numpy(page).copy_(staged[i], non_blocking=True)
-        host = torch.empty(
-            (len(pages), 2), dtype=torch.int64, pin_memory=self.device.type == "cuda"
+            n = len(chunk)
+            ids = way.ids_of(host, start, n)
+            for dim, cache, part in way.parts(n):
+                torch.index_select(cache, dim, ids, out=part)
+            way.sum_into(host, start, n)
+            for row, page in zip(way.rows, chunk, strict=False):
+                torch.from_numpy(page).copy_(row, non_blocking=True)
+        return Saved(host, len(pages))
+
+    def checksums(self, saved: Saved) -> list[int]:
+        """The checksums of the pages ``save`` returned ``saved`` for."""
+        got = saved.host.sums[: saved.count].tolist()
+        if len(saved.host.ids) == self.max_pages:
+            with self._lock:
+                self._free.append(saved.host)
+        return [page_sum.digest(s1, s2, self.page_bytes) for s1, s2 in got]
+
+    def _take(self, count: int) -> _Host:
+        if count <= self.max_pages:
+            with self._lock:
+                if self._free:
+                    return self._free.pop()
+        return self._host(max(count, self.max_pages))  # more saves in flight
+
+    def _host(self, count: int) -> _Host:
+        return _Host(
+            torch.empty(count, dtype=torch.int64, pin_memory=self._pinned),
+            torch.empty((count, 2), dtype=torch.int64, pin_memory=self._pinned),
         )
-        host.copy_(sums, non_blocking=True)
-        return host
 
-    def checksums(self, sums: torch.Tensor) -> list[int]:
-        """The checksums of the pages ``save`` returned ``sums`` for."""
-        return [page_sum.digest(s1, s2, self.page_bytes) for s1, s2 in sums.tolist()]
 
-    def _sum(self, staged: torch.Tensor, out: torch.Tensor) -> None:
-        words = staged.view(torch.int64)  # wraps as uint64 does: the same bits
-        out[:, 0] = words.sum(1)
-        out[:, 1] = (words * self._weights).sum(1)
+@dataclass(frozen=True)
+class _Host:
+    """Page-locked host memory for one request's block ids and pages' sums."""
 
-    def _ids(self, blocks: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(blocks, dtype=torch.int64).to(
-            self.device, non_blocking=True
-        )
+    ids: torch.Tensor
+    sums: torch.Tensor
 
-    def _parts(
-        self, staged: torch.Tensor
-    ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        """Each layer's bytes (its block dim, its cache) and its part of the
-        staged pages, shaped as that many of its blocks (pages first)."""
-        n = staged.shape[0]
-        return [
-            (
-                dim,
-                cache,
-                staged[:, x.offset : x.offset + x.nbytes].view(
-                    n, *cache.select(dim, 0).shape
-                ),
+
+@dataclass(frozen=True)
+class Saved:
+    """Where ``DeviceCopier.save`` puts its pages' sums."""
+
+    host: _Host
+    count: int
+
+
+class _Way:
+    """One direction's buffers on the device: the staging rows, the block ids
+    and sums of one chunk, and each layer's part of the staged pages, viewed
+    in its cache's layout (blocks along its block dim)."""
+
+    def __init__(self, copier: DeviceCopier, per_chunk: int) -> None:
+        device, page_bytes = copier.device, copier.page_bytes
+        staging = torch.empty((per_chunk, page_bytes), dtype=torch.uint8, device=device)
+        self.rows = staging.unbind(0)
+        self._words = staging.view(torch.int64)  # wraps as uint64 does: the same bits
+        self._ids = torch.empty(per_chunk, dtype=torch.int64, device=device)
+        self._sums = torch.empty((per_chunk, 2), dtype=torch.int64, device=device)
+        self._product = torch.empty_like(self._words)
+        self._weights = copier._weights
+        self._parts = []
+        for x in copier.layers:
+            # Copied as bytes, whatever the dtype (fp8 has no index kernels).
+            cache = x.cache.view(torch.uint8)
+            dim = x.block_dim
+            part = staging[:, x.offset : x.offset + x.nbytes].view(
+                per_chunk, *cache.select(dim, 0).shape
             )
-            for x, (dim, cache) in zip(self.layers, self._bytes, strict=True)
-        ]
+            self._parts.append((dim, cache, part.movedim(0, dim)))
+
+    def parts(self, n: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Each layer's block dim, its cache as bytes, and its part of the
+        first ``n`` staged pages."""
+        if n == len(self.rows):
+            return self._parts
+        return [(dim, c, part.narrow(dim, 0, n)) for dim, c, part in self._parts]
+
+    def ids_of(self, host: _Host, start: int, n: int) -> torch.Tensor:
+        ids = self._ids[:n]
+        ids.copy_(host.ids[start : start + n], non_blocking=True)
+        return ids
+
+    def sum_into(self, host: _Host, start: int, n: int) -> None:
+        """Sums the first ``n`` staged pages into ``host.sums[start:]``."""
+        words, sums = self._words[:n], self._sums[:n]
+        torch.sum(words, 1, out=sums[:, 0])
+        torch.mul(words, self._weights, out=self._product[:n])
+        torch.sum(self._product[:n], 1, out=sums[:, 1])
+        host.sums[start : start + n].copy_(sums, non_blocking=True)

@@ -182,10 +182,25 @@ def test_a_damaged_page_is_recomputed_and_dropped(
     assert len(b.stored(HASHES[:4], timeout_s=0).refs) == 2  # dropped from the store
 
 
+def warm(engine: Engine, count: int) -> None:
+    """Saves ``count`` other pages (``HASHES[-count:]``, from the last blocks)
+    and waits for them. The copier allocates its buffers up front, but torch may
+    keep workspace of its own for the first copy of a size; an allocation on the
+    GPU can synchronise the device, which would order the streams by itself and
+    hide a missing wait."""
+    hashes = HASHES[-count:]
+    engine.worker.save(
+        [PageSave(h, NUM_BLOCKS - count + i) for i, h in enumerate(hashes)]
+    )
+    assert len(engine.stored(hashes).refs) == count
+    torch.cuda.synchronize()
+
+
 def test_a_save_copies_what_the_forward_wrote_before_it(
     engines: tuple[Engine, Engine],
 ) -> None:
     a, _ = engines
+    warm(a, 1)
     torch.cuda._sleep(SPIN)  # the forward, still running on the engine's stream,
     for cache in a.caches.values():
         cache[5].fill_(7.0)  # writes the block's last tokens
@@ -200,16 +215,17 @@ def test_the_next_forward_reuses_blocks_only_once_they_are_saved(
     engines: tuple[Engine, Engine],
 ) -> None:
     a, _ = engines
-    before = [a.block(i) for i in range(48)]
+    warm(a, 24)
+    before = [a.block(i) for i in range(24)]
     with torch.cuda.stream(a.worker._stream):
         torch.cuda._sleep(SPIN)  # the last step's saves, still copying
-    a.worker.save([PageSave(HASHES[i], i) for i in range(48)])  # queued behind
+    a.worker.save([PageSave(HASHES[i], i) for i in range(24)])  # queued behind
     a.worker.start_load({})  # the next step: nothing to load
     for cache in a.caches.values():
-        cache[:48].zero_()  # its forward writes new tokens into freed blocks
+        cache[:24].zero_()  # its forward writes new tokens into freed blocks
 
-    found = a.stored(HASHES[:48])
-    assert len(found.refs) == 48
+    found = a.stored(HASHES[:24])
+    assert len(found.refs) == 24
     for ref, old in zip(found.refs, before, strict=True):
         assert np.array_equal(a.page(ref.slot), old)
 

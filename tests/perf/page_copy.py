@@ -240,7 +240,7 @@ def _gpu_rounds(
     flat = torch.empty((pages, page_bytes), dtype=torch.uint8, device="cuda")
     cache_layers, blocks = _paged_caches(arena, layers, (tokens, 576), dt, "cuda")
     per_page = PageCopier(cache_layers, page_bytes)
-    device = DeviceCopier(cache_layers, page_bytes)
+    device = DeviceCopier(cache_layers, page_bytes, max_pages=pages)
     rows = [arena.page(i) for i in range(pages)]  # freed on return: the arena closes
 
     def dma(src: torch.Tensor) -> None:
