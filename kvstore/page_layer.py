@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -180,19 +182,24 @@ class DeviceCopier:
     staged pages into their blocks (``index_copy_``), or gathers the blocks into
     them (``index_select``), and the pages' sums (``page_sum``'s, modulo 2**64 in
     int64 arithmetic, whose bits ``page_sum.digest`` reads) are taken on the
-    device. Pages go through the staging buffer ``chunk_bytes`` at a time.
+    device. Pages go through the staging buffers ``chunk_bytes`` at a time.
     Copying each layer's part of each page by itself, as ``PageCopier`` does for
     host caches, took ~60 copies of 72 KiB per DeepSeek-V3 page, each paying
     torch's and the driver's cost per call: 0.06x to 0.08x of what DMA moved on
     an H200 (tests/perf/page_copy.py --gpu).
 
-    Loads run on one stream (the engine's) and wait for it; saves run on another
-    and do not (their sums are read once the stream has passed them). Every
-    buffer a step uses is allocated up front: its block ids and sums go through
-    page-locked host buffers (``max_pages`` each) that a save holds until its
-    sums are read. An allocation in a step would be a hidden synchronisation
-    (``cudaHostAlloc``, and ``cudaMalloc`` may be one), which orders the two
-    streams by accident and hides a missing wait."""
+    Each direction has two staging buffers and a copy stream of its own: one
+    chunk's DMA runs on the copy stream while the caller's stream scatters (or
+    gathers) the chunk before, events ordering each buffer's refill after its
+    last use. Loads run on the caller's stream (the engine's) and wait for it;
+    saves run on theirs (a side stream) and do not, and that stream waits for
+    their last DMA, so whatever waits for it (the worker's event, the engine's
+    next step) waits for the pages too. Every buffer a step uses is allocated
+    up front: its block ids and sums go through page-locked host buffers
+    (``max_pages`` each) that a save holds until its sums are read. An
+    allocation in a step would be a hidden synchronisation (``cudaHostAlloc``,
+    and ``cudaMalloc`` may be one), which orders the streams by accident and
+    hides a missing wait."""
 
     def __init__(
         self,
@@ -232,22 +239,26 @@ class DeviceCopier:
         copies: the pages may be given back once it returns. A page that failed
         has had its blocks written: the caller reports them to vLLM, which
         recomputes them."""
-        way = self._ways[0]
-        host = self._load_host if len(pages) <= self.max_pages else None
-        host = host or self._host(len(pages))
-        host.ids.numpy()[: len(blocks)] = blocks
-        for start in range(0, len(pages), self.per_chunk):
-            chunk = pages[start : start + self.per_chunk]
+        way, count = self._ways[0], len(pages)
+        host = self._load_host if count <= self.max_pages else self._host(count)
+        host.ids.numpy()[:count] = blocks
+        for k, start in enumerate(range(0, count, self.per_chunk)):
+            chunk, buf = pages[start : start + self.per_chunk], way.bufs[k % 2]
             n = len(chunk)
-            for row, page in zip(way.rows, chunk, strict=False):
-                row.copy_(torch.from_numpy(page), non_blocking=True)
+            buf.wait(buf.free, way.copy)  # the scatter out of it two chunks ago
+            with way.on_copy():
+                for row, page in zip(buf.rows, chunk, strict=False):
+                    row.copy_(torch.from_numpy(page), non_blocking=True)
+                buf.record(buf.ready, way.copy)
+            buf.wait(buf.ready, None)
             ids = way.ids_of(host, start, n)
-            for dim, cache, part in way.parts(n):
+            for dim, cache, part in buf.parts(n):
                 cache.index_copy_(dim, ids, part)
-            way.sum_into(host, start, n)
-        if self._pinned:
+            way.sum_into(buf, host, start, n)
+            buf.record(buf.free, None)
+        if self._pinned:  # the DMAs are ahead of it: each scatter waited for its own
             torch.cuda.current_stream(self.device).synchronize()
-        got = host.sums[: len(pages)].tolist()
+        got = host.sums[:count].tolist()
         return [
             page_sum.digest(s1, s2, self.page_bytes) == want
             for (s1, s2), want in zip(got, expected, strict=True)
@@ -259,15 +270,22 @@ class DeviceCopier:
         has passed this point: ``checksums`` reads them then, once."""
         way, host = self._ways[1], self._take(len(pages))
         host.ids.numpy()[: len(blocks)] = blocks
-        for start in range(0, len(pages), self.per_chunk):
-            chunk = pages[start : start + self.per_chunk]
+        buf = way.bufs[0]
+        for k, start in enumerate(range(0, len(pages), self.per_chunk)):
+            chunk, buf = pages[start : start + self.per_chunk], way.bufs[k % 2]
             n = len(chunk)
+            buf.wait(buf.free, None)  # its DMA to the arena two chunks ago
             ids = way.ids_of(host, start, n)
-            for dim, cache, part in way.parts(n):
+            for dim, cache, part in buf.parts(n):
                 torch.index_select(cache, dim, ids, out=part)
-            way.sum_into(host, start, n)
-            for row, page in zip(way.rows, chunk, strict=False):
-                torch.from_numpy(page).copy_(row, non_blocking=True)
+            way.sum_into(buf, host, start, n)
+            buf.record(buf.ready, None)
+            with way.on_copy():
+                buf.wait(buf.ready, way.copy)
+                for row, page in zip(buf.rows, chunk, strict=False):
+                    torch.from_numpy(page).copy_(row, non_blocking=True)
+                buf.record(buf.free, way.copy)
+        buf.wait(buf.free, None)  # the last DMA: the current stream covers them all
         return Saved(host, len(pages))
 
     def checksums(self, saved: Saved) -> list[int]:
@@ -309,19 +327,54 @@ class Saved:
 
 
 class _Way:
-    """One direction's buffers on the device: the staging rows, the block ids
-    and sums of one chunk, and each layer's part of the staged pages, viewed
-    in its cache's layout (blocks along its block dim)."""
+    """One direction's buffers on the device: two staging buffers, so that one
+    chunk's DMA (on this way's copy stream) overlaps the scatter or gather of
+    the chunk before (on the caller's stream), and the block ids and sums of
+    one chunk."""
 
     def __init__(self, copier: DeviceCopier, per_chunk: int) -> None:
         device, page_bytes = copier.device, copier.page_bytes
-        staging = torch.empty((per_chunk, page_bytes), dtype=torch.uint8, device=device)
-        self.rows = staging.unbind(0)
-        self._words = staging.view(torch.int64)  # wraps as uint64 does: the same bits
+        cuda = device.type == "cuda"
+        self.copy: Any = torch.cuda.Stream(device=device) if cuda else None  # type: ignore[no-untyped-call]
+        self.bufs = [_Staging(copier, per_chunk, cuda) for _ in range(2)]
         self._ids = torch.empty(per_chunk, dtype=torch.int64, device=device)
         self._sums = torch.empty((per_chunk, 2), dtype=torch.int64, device=device)
-        self._product = torch.empty_like(self._words)
+        self._product = torch.empty(
+            (per_chunk, page_bytes // 8), dtype=torch.int64, device=device
+        )
         self._weights = copier._weights
+
+    def on_copy(self) -> Any:
+        """Runs what follows on the copy stream (on the host: at once)."""
+        return torch.cuda.stream(self.copy) if self.copy is not None else nullcontext()
+
+    def ids_of(self, host: _Host, start: int, n: int) -> torch.Tensor:
+        ids = self._ids[:n]
+        ids.copy_(host.ids[start : start + n], non_blocking=True)
+        return ids
+
+    def sum_into(self, buf: _Staging, host: _Host, start: int, n: int) -> None:
+        """Sums the first ``n`` pages staged in ``buf`` into ``host.sums[start:]``."""
+        words, sums = buf.words[:n], self._sums[:n]
+        torch.sum(words, 1, out=sums[:, 0])
+        torch.mul(words, self._weights, out=self._product[:n])
+        torch.sum(self._product[:n], 1, out=sums[:, 1])
+        host.sums[start : start + n].copy_(sums, non_blocking=True)
+
+
+class _Staging:
+    """A staging buffer of ``per_chunk`` pages on the device: its rows, its
+    words (as uint64 wraps: the same bits), each layer's part of the staged pages
+    viewed in its cache's layout (blocks along its block dim), and two events:
+    ``ready`` once its pages are in it, ``free`` once they are out."""
+
+    def __init__(self, copier: DeviceCopier, per_chunk: int, cuda: bool) -> None:
+        page_bytes, self.device = copier.page_bytes, copier.device
+        staging = torch.empty(
+            (per_chunk, page_bytes), dtype=torch.uint8, device=self.device
+        )
+        self.rows = staging.unbind(0)
+        self.words = staging.view(torch.int64)
         self._parts = []
         for x in copier.layers:
             # Copied as bytes, whatever the dtype (fp8 has no index kernels).
@@ -331,6 +384,8 @@ class _Way:
                 per_chunk, *cache.select(dim, 0).shape
             )
             self._parts.append((dim, cache, part.movedim(0, dim)))
+        self.ready: Any = torch.cuda.Event() if cuda else None  # type: ignore[no-untyped-call]
+        self.free: Any = torch.cuda.Event() if cuda else None  # type: ignore[no-untyped-call]
 
     def parts(self, n: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """Each layer's block dim, its cache as bytes, and its part of the
@@ -339,15 +394,13 @@ class _Way:
             return self._parts
         return [(dim, c, part.narrow(dim, 0, n)) for dim, c, part in self._parts]
 
-    def ids_of(self, host: _Host, start: int, n: int) -> torch.Tensor:
-        ids = self._ids[:n]
-        ids.copy_(host.ids[start : start + n], non_blocking=True)
-        return ids
+    def record(self, event: Any, stream: Any) -> None:
+        """Records ``event`` on ``stream`` (None: the current one); on the
+        host, where every copy is done when it returns, nothing."""
+        if event is not None:
+            event.record(stream or torch.cuda.current_stream(self.device))
 
-    def sum_into(self, host: _Host, start: int, n: int) -> None:
-        """Sums the first ``n`` staged pages into ``host.sums[start:]``."""
-        words, sums = self._words[:n], self._sums[:n]
-        torch.sum(words, 1, out=sums[:, 0])
-        torch.mul(words, self._weights, out=self._product[:n])
-        torch.sum(self._product[:n], 1, out=sums[:, 1])
-        host.sums[start : start + n].copy_(sums, non_blocking=True)
+    def wait(self, event: Any, stream: Any) -> None:
+        """Makes ``stream`` (None: the current one) wait for ``event``."""
+        if event is not None:
+            (stream or torch.cuda.current_stream(self.device)).wait_event(event)

@@ -230,16 +230,31 @@ def test_the_next_forward_reuses_blocks_only_once_they_are_saved(
         assert np.array_equal(a.page(ref.slot), old)
 
 
-def test_pages_cross_the_staging_buffer_a_chunk_at_a_time() -> None:
-    # 10 pages through a staging buffer of 3: four chunks, each reusing it.
+def chunked() -> tuple[list[torch.Tensor], DeviceCopier]:
+    """Paged caches on the GPU and a copier whose staging buffers hold three
+    pages: ten pages go through them in four chunks, the third refilling the
+    first buffer."""
     caches = [
         torch.randn(NUM_BLOCKS, BLOCK, LATENT, device="cuda").to(torch.bfloat16)
         for _ in range(LAYERS)
     ]
     nbytes = BLOCK * LATENT * 2
     layers = [PageLayer(f"l{i}", c, 0, i * nbytes) for i, c in enumerate(caches)]
-    copier = DeviceCopier(layers, PAGE_BYTES, chunk_bytes=3 * PAGE_BYTES)
-    pages = torch.zeros((10, PAGE_BYTES), dtype=torch.uint8, pin_memory=True).numpy()
+    return caches, DeviceCopier(layers, PAGE_BYTES, chunk_bytes=3 * PAGE_BYTES)
+
+
+def pinned_pages(count: int) -> np.ndarray:
+    return torch.zeros((count, PAGE_BYTES), dtype=torch.uint8, pin_memory=True).numpy()
+
+
+def page_of(caches: Sequence[torch.Tensor], block: int) -> np.ndarray:
+    parts = [c[block].reshape(-1).view(torch.uint8) for c in caches]
+    return torch.cat(parts).cpu().numpy()
+
+
+def test_pages_cross_the_staging_buffers_a_chunk_at_a_time() -> None:
+    caches, copier = chunked()
+    pages = pinned_pages(10)
     saved, targets = list(range(10, 20)), list(range(70, 80))
 
     sums = copier.save(list(pages), saved)
@@ -247,9 +262,62 @@ def test_pages_cross_the_staging_buffer_a_chunk_at_a_time() -> None:
     crcs = copier.checksums(sums)
     assert crcs == [checksum(page) for page in pages]
     for page, block in zip(pages, saved, strict=True):
-        parts = [c[block].reshape(-1).view(torch.uint8) for c in caches]
-        assert np.array_equal(page, torch.cat(parts).cpu().numpy())
+        assert np.array_equal(page, page_of(caches, block))
 
     assert copier.load(list(pages), targets, crcs) == [True] * 10
     for cache in caches:
         assert torch.equal(cache[70:80], cache[10:20])
+
+
+def hold(copier: DeviceCopier, way: int, busy: str) -> None:
+    """Keeps a stream busy: the caller's (``engine``) or the copier's copy
+    stream for loads (way 0) or saves (way 1)."""
+    stream = copier._ways[way].copy if busy == "copy" else None
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(SPIN)
+
+
+@pytest.mark.parametrize("busy", ["engine", "copy"])
+def test_loads_scatter_each_staged_chunk_once_it_is_in_and_before_refilling(
+    busy: str,
+) -> None:
+    # The engine's stream busy: the DMAs must not refill a staging buffer before
+    # its pages are scattered. The copy stream busy: the scatters must wait for
+    # the DMAs. The buffers hold other pages from the load before.
+    caches, copier = chunked()
+    rng = np.random.default_rng(0)
+    before, pages = pinned_pages(10), pinned_pages(10)
+    before[:], pages[:] = (rng.integers(0, 256, pages.shape, np.uint8) for _ in "ab")
+    targets = list(range(70, 80))
+    crcs = [checksum(page) for page in before]
+    assert copier.load(list(before), targets, crcs) == [True] * 10
+
+    hold(copier, 0, busy)
+    crcs = [checksum(page) for page in pages]
+    assert copier.load(list(pages), targets, crcs) == [True] * 10
+    for page, block in zip(pages, targets, strict=True):
+        assert np.array_equal(page_of(caches, block), page)
+
+
+@pytest.mark.parametrize("count", [3, 10], ids=["one chunk", "four chunks"])
+@pytest.mark.parametrize("busy", ["engine", "copy"])
+def test_saves_copy_out_each_gathered_chunk_once_it_is_in_and_before_refilling(
+    busy: str, count: int
+) -> None:
+    # The copy stream busy: the gathers must not refill a staging buffer before
+    # its pages are out, and the caller's stream must cover the last DMA (of one
+    # chunk: with more, the refills' waits cover all but the last two). The
+    # caller's stream busy: the DMAs must wait for the gathers. The buffers hold
+    # other blocks from the save before.
+    caches, copier = chunked()
+    pages, saved = pinned_pages(count), list(range(10, 10 + count))
+    copier.checksums(copier.save(list(pages), [b + 10 for b in saved]))
+    torch.cuda.synchronize()
+    pages[:] = 0
+
+    hold(copier, 1, busy)
+    sums = copier.save(list(pages), saved)
+    torch.cuda.current_stream().synchronize()  # what the worker's event covers
+    assert copier.checksums(sums) == [checksum(page) for page in pages]
+    for page, block in zip(pages, saved, strict=True):
+        assert np.array_equal(page, page_of(caches, block))
