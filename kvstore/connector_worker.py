@@ -20,7 +20,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,11 +35,13 @@ from kvstore.rpc import StoreClient, StoreError, Written
 logger = logging.getLogger("moe_cluster.kvstore")
 
 
-def _load_span(rid: str, request: Loads) -> Any:
+def _load_span(rid: str, request: Loads, began: int | None = None) -> Any:
+    """The request's load span, from ``began`` (ns; None: now) to its exit."""
     return tracing.tracer().start_as_current_span(
         "kvstore.load",
         context=tracing.context_of(request.trace),
         attributes={"moe_cluster.kv.pages_planned": len(request.pages)},
+        start_time=began,
     )
 
 
@@ -193,16 +196,15 @@ class StoreWorker:
         if not loads:
             return
         bad: list[bytes] = []
-        for rid, request in loads.items():
+        for rid, request, loaded, began in self._load_all(loads, bad):
             token = tracing.REQUEST_ID.set(rid)  # its log lines carry its ids
             try:
                 if request.trace:
-                    with _load_span(rid, request) as span:
-                        loaded = self._load(request, bad)
+                    with _load_span(rid, request, began) as span:
                         _loaded(span, request, loaded)
                         _log_unloaded(request, loaded)
                 else:
-                    _log_unloaded(request, self._load(request, bad))
+                    _log_unloaded(request, loaded)
             finally:
                 tracing.REQUEST_ID.reset(token)
         try:
@@ -212,30 +214,59 @@ class StoreWorker:
         except StoreError as e:
             self._warn(e)
 
-    def _load(self, request: Loads, bad: list[bytes]) -> tuple[int, int]:
-        """Loads one request's pages, up to the first that fails its checksum
-        (added to ``bad``); returns (pages loaded, bytes loaded)."""
-        pages = request.pages
-        if not self._arena_is(request.arena):
-            # The store restarted between lookup and load: recompute.
-            self._load_errors.update(p.block_id for p in pages)
-            return 0, 0
-        assert self._arena is not None
+    def _load_all(
+        self, loads: Mapping[str, Loads], bad: list[bytes]
+    ) -> Iterator[tuple[str, Loads, tuple[int, int], int]]:
+        """Loads each request's pages, up to the first that fails its checksum
+        (added to ``bad``). Yields each request with (pages loaded, bytes loaded)
+        and when its copy began (ns): on the host one request after another, on
+        a GPU every request of the step in one copy, waited for once (the
+        leases on the pages end when the step's loads return)."""
+        for request in loads.values():
+            self._arena_is(request.arena)  # re-attached if the store restarted
         arena = self._arena
-        if self._device is not None:  # waits for the copies: the lease ends below
+        ready = {
+            rid: r
+            for rid, r in loads.items()
+            if arena is not None and r.arena == arena.name
+        }
+        for rid, request in loads.items():
+            if rid not in ready:  # the store restarted after its lookup: recompute
+                self._load_errors.update(p.block_id for p in request.pages)
+                yield rid, request, (0, 0), time.time_ns()
+        if not ready:
+            return
+        assert arena is not None
+        if self._device is not None:
+            began = time.time_ns()
+            pages = [p for r in ready.values() for p in r.pages]
             good = self._device.load(
                 [arena.page(p.slot) for p in pages],
                 [p.block_id for p in pages],
                 [p.checksum for p in pages],
             )
-            loaded = next((i for i, ok in enumerate(good) if not ok), len(pages))
-        else:
-            assert self._copier is not None
-            loaded = 0
-            for p in pages:
+            at = 0
+            for rid, request in ready.items():
+                ok = good[at : at + len(request.pages)]
+                at += len(request.pages)
+                loaded = next((i for i, x in enumerate(ok) if not x), len(ok))
+                yield rid, request, self._settle(arena, request, loaded, bad), began
+            return
+        assert self._copier is not None
+        for rid, request in ready.items():
+            began, loaded = time.time_ns(), 0
+            for p in request.pages:
                 if not self._copier.load(arena.page(p.slot), p.block_id, p.checksum):
                     break
                 loaded += 1
+            yield rid, request, self._settle(arena, request, loaded, bad), began
+
+    def _settle(
+        self, arena: Arena, request: Loads, loaded: int, bad: list[bytes]
+    ) -> tuple[int, int]:
+        """(pages loaded, bytes loaded) of a request whose first ``loaded``
+        pages loaded; the page after them, if any, failed its checksum."""
+        pages = request.pages
         if loaded < len(pages):
             # Never serve it: this block and the rest of the prefix are
             # recomputed by vLLM.

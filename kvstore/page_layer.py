@@ -312,7 +312,8 @@ class DeviceCopier:
 
 @dataclass(frozen=True)
 class _Host:
-    """Page-locked host memory for one request's block ids and pages' sums."""
+    """Page-locked host memory for the block ids and the pages' sums of one load
+    or save."""
 
     ids: torch.Tensor
     sums: torch.Tensor

@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 import time
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -113,14 +113,22 @@ class Engine:
             time.sleep(0.01)
 
     def load(self, rid: str, hashes: Sequence[bytes], blocks: Sequence[int]) -> None:
-        """What one step does for a request whose pages the store holds: the
+        self.load_step({rid: (hashes, blocks)})
+
+    def load_step(
+        self, requests: Mapping[str, tuple[Sequence[bytes], Sequence[int]]]
+    ) -> None:
+        """What one step does for requests whose pages the store holds: the
         scheduler side pins them, the worker loads them before the forward."""
-        found = self.client.lookup(rid, hashes, "", [], BLOCK, 0)
-        pages = [
-            PageLoad(ref.slot, ref.checksum, ref.page_hash, block)
-            for ref, block in zip(found.refs, blocks, strict=False)
-        ]
-        self.worker.start_load({rid: Loads(found.arena, pages)})
+        loads = {}
+        for rid, (hashes, blocks) in requests.items():
+            found = self.client.lookup(rid, hashes, "", [], BLOCK, 0)
+            pages = [
+                PageLoad(ref.slot, ref.checksum, ref.page_hash, block)
+                for ref, block in zip(found.refs, blocks, strict=False)
+            ]
+            loads[rid] = Loads(found.arena, pages)
+        self.worker.start_load(loads)
 
     def close(self) -> None:
         self.worker.shutdown()
@@ -180,6 +188,22 @@ def test_a_damaged_page_is_recomputed_and_dropped(
     assert np.array_equal(b.block(60), a.block(0))
     assert np.array_equal(b.block(61), a.block(1))
     assert len(b.stored(HASHES[:4], timeout_s=0).refs) == 2  # dropped from the store
+
+
+def test_a_step_loads_its_requests_in_one_copy_each_checked_by_itself(
+    engines: tuple[Engine, Engine],
+) -> None:
+    a, b = engines
+    a.worker.save([PageSave(HASHES[i], i) for i in range(8)])
+    found = b.stored(HASHES[:8])
+    b.page(found.refs[2].slot)[100] ^= 0xFF
+
+    b.load_step(
+        {"r1": (HASHES[:4], [60, 61, 62, 63]), "r2": (HASHES[4:8], [70, 71, 72, 73])}
+    )
+    assert b.worker.load_errors() == {62, 63}  # r1 from its damaged page on
+    for src, dst in [(0, 60), (1, 61), (4, 70), (5, 71), (6, 72), (7, 73)]:
+        assert np.array_equal(b.block(dst), a.block(src))
 
 
 def warm(engine: Engine, count: int) -> None:
