@@ -729,6 +729,17 @@ class KVStoreConfig(_Strict):
         description="Hard bound on the node's page arena (shared memory); least "
         "recently used pages are evicted beyond it.",
     )
+    gpu_staging_mib: int = Field(
+        32,
+        ge=1,
+        le=4096,
+        description="GPU engines: each of the connector's six staging buffers on "
+        "the device (two per direction for pages in flight, one per direction for "
+        "the checksum's products). The engine's KV cache gives up eight times this "
+        "(the buffers, a page of checksum weights, block ids and sums) to them, "
+        "unless engine.kv_cache_memory_bytes sizes the cache by hand. A page (one "
+        "block of every layer) must fit one buffer.",
+    )
     fetch: bool = Field(
         True,
         description="On a miss, fetch the pages another node holds instead of "

@@ -5,7 +5,8 @@ Loaded by vLLM from ``kv_transfer_config``::
     KVTransferConfig(kv_connector="PageStoreConnector",
                      kv_connector_module_path="kvstore.connector",
                      kv_role="kv_both", kv_load_failure_policy="recompute",
-                     kv_connector_extra_config={"socket": <node store socket>})
+                     kv_connector_extra_config={"socket": <node store socket>,
+                                                "staging_bytes": <GPU staging>})
 
 A page is one KV block of every layer (``kvstore.page_layer``), named by vLLM's own
 chained block hash (the tenant's ``cache_salt`` is in the first block's hash, so
@@ -33,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from cluster import tracing
 from kvstore.connector_scheduler import Loads, PageSave, StoreScheduler
 from kvstore.connector_worker import StoreWorker
+from kvstore.page_layer import DeviceCopier
 from kvstore.rpc import StoreClient
 
 if TYPE_CHECKING:
@@ -46,10 +48,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("moe_cluster.kvstore")
 
+# Each of a GPU engine's staging buffers, unless its config says otherwise.
+STAGING_BYTES = DeviceCopier.CHUNK_BYTES
 
-def transfer_config(socket: str) -> Any:
+
+def transfer_config(socket: str, staging_bytes: int = STAGING_BYTES) -> Any:
     """vLLM's ``kv_transfer_config`` for an engine using the node store at
-    ``socket``."""
+    ``socket``; on a GPU its pages go through staging buffers of
+    ``staging_bytes`` (``DeviceCopier``)."""
     from vllm.config import KVTransferConfig
 
     return KVTransferConfig(
@@ -58,7 +64,7 @@ def transfer_config(socket: str) -> Any:
         kv_role="kv_both",
         # A page that fails its checksum is recomputed, never served.
         kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"socket": socket},
+        kv_connector_extra_config={"socket": socket, "staging_bytes": staging_bytes},
     )
 
 
@@ -85,6 +91,12 @@ class PageStoreConnector(KVConnectorBase_V1):
         tracing.install_process_logging()
         extra = self._kv_transfer_config.kv_connector_extra_config
         self._client = StoreClient(str(extra["socket"]))
+        staging = extra.get("staging_bytes", STAGING_BYTES)
+        if type(staging) is not int or staging <= 0:
+            raise ValueError(
+                f"kv_connector_extra_config.staging_bytes must be a positive "
+                f"integer, not {staging!r}"
+            )
         block_size = vllm_config.cache_config.block_size
         self._warned = False
         self.scheduler: StoreScheduler | None = None
@@ -98,6 +110,7 @@ class PageStoreConnector(KVConnectorBase_V1):
                 str(vllm_config.model_config.served_model_name),
                 block_size,
                 self._warn,
+                staging,
             )
 
     # ==== scheduler side =====================================================

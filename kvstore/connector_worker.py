@@ -80,8 +80,10 @@ class StoreWorker:
         model: str,
         block_size: int,
         warn: Callable[[Exception], None],
+        staging_bytes: int = DeviceCopier.CHUNK_BYTES,
     ) -> None:
         self._client, self._num_blocks, self._warn = client, num_blocks, warn
+        self._staging_bytes = staging_bytes  # each of DeviceCopier's buffers
         self._model, self._block_size = model, block_size  # named in the layout
         self._layers: list[PageLayer] = []
         self._copier: PageCopier | None = None
@@ -121,8 +123,22 @@ class StoreWorker:
         )
         if first.is_cuda:
             self._stream = torch.cuda.Stream(device=first.device)  # type: ignore[no-untyped-call]
+            if offset > self._staging_bytes:
+                raise ValueError(
+                    f"a page of this engine's cache ({offset} bytes) does not fit "
+                    f"a staging buffer of {self._staging_bytes} bytes: raise "
+                    "kvstore.gpu_staging_mib"
+                )
             self._device = DeviceCopier(
-                self._layers, offset, max_pages=self._num_blocks
+                self._layers,
+                offset,
+                chunk_bytes=self._staging_bytes,
+                max_pages=self._num_blocks,
+            )
+            logger.info(
+                "page copies through %.0f MiB of staging on %s",
+                self._device.device_bytes / 2**20,
+                first.device,
             )
         else:
             self._copier = PageCopier(self._layers, offset)

@@ -199,13 +199,29 @@ class DeviceCopier:
     (``max_pages`` each) that a save holds until its sums are read. An
     allocation in a step would be a hidden synchronisation (``cudaHostAlloc``,
     and ``cudaMalloc`` may be one), which orders the streams by accident and
-    hides a missing wait."""
+    hides a missing wait.
+
+    On the device it holds six buffers of ``chunk_bytes`` at most (per
+    direction: two staging buffers and one for the checksum's products), one
+    page of checksum weights and each chunk's block ids and sums:
+    ``device_bytes``, never more than ``budget(chunk_bytes)``, which the engine's
+    KV cache gives up to it (``deployments.engine.args``)."""
+
+    CHUNK_BYTES = 32 << 20
+
+    @staticmethod
+    def budget(chunk_bytes: int) -> int:
+        """The most device memory a copier with ``chunk_bytes`` staging buffers
+        holds, for any pages of 48 bytes to ``chunk_bytes`` (a real page is one
+        block of every layer: KiBs at least): six buffers, a page of weights,
+        and 24 bytes of ids and sums per staged page in each direction."""
+        return 8 * chunk_bytes
 
     def __init__(
         self,
         layers: Sequence[PageLayer],
         page_bytes: int,
-        chunk_bytes: int = 32 << 20,
+        chunk_bytes: int = CHUNK_BYTES,
         max_pages: int = 1024,
     ) -> None:
         offset = 0
@@ -218,15 +234,21 @@ class DeviceCopier:
                 f"the layers' parts ({offset} bytes) must tile a page of whole "
                 f"words ({page_bytes} bytes)"
             )
+        if page_bytes > chunk_bytes:
+            raise ValueError(
+                f"a page ({page_bytes} bytes) does not fit a staging buffer "
+                f"({chunk_bytes} bytes)"
+            )
         self.layers, self.page_bytes = tuple(layers), page_bytes
         self.device = layers[0].cache.device
-        self.per_chunk, self.max_pages = max(1, chunk_bytes // page_bytes), max_pages
+        self.per_chunk, self.max_pages = chunk_bytes // page_bytes, max_pages
         self._pinned = self.device.type == "cuda"
         self._weights = torch.arange(
             1, page_bytes // 4, 2, dtype=torch.int64, device=self.device
         )  # word i weighs 2i + 1
         # One of each per direction: loads and saves run on different streams.
         self._ways = [_Way(self, self.per_chunk) for _ in range(2)]
+        self.device_bytes = self._weights.nbytes + sum(w.nbytes for w in self._ways)
         self._load_host = self._host(max_pages)  # a load waits: one is enough
         self._free = [self._host(max_pages) for _ in range(2)]
         self._lock = threading.Lock()
@@ -344,6 +366,8 @@ class _Way:
             (per_chunk, page_bytes // 8), dtype=torch.int64, device=device
         )
         self._weights = copier._weights
+        held = (self._ids, self._sums, self._product, *(b.words for b in self.bufs))
+        self.nbytes = sum(x.nbytes for x in held)
 
     def on_copy(self) -> Any:
         """Runs what follows on the copy stream (on the host: at once)."""

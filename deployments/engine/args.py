@@ -58,9 +58,14 @@ def engine_args(
     kv_events_endpoint: str | None = None,
     kv_store_socket: str | None = None,
     parallel: dict[str, Any] | None = None,
+    *,
+    kv_staging_bytes: int | None = None,
+    gpu_memory_bytes: int | None = None,
 ) -> Any:
     """vLLM's arguments; ``parallel`` adds the EP group rank's data-parallel and
-    expert-parallel ones (``ep_group``)."""
+    expert-parallel ones (``ep_group``). An engine on the node's page store with
+    its cache on a GPU of ``gpu_memory_bytes`` gives the connector's staging
+    buffers (``kv_staging_bytes`` each) their memory out of its KV cache."""
     from vllm.config import StructuredOutputsConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -68,10 +73,17 @@ def engine_args(
     if kv_events_endpoint is not None and config.enable_prefix_caching:
         events = kv_events.events_config(kv_events_endpoint)
     transfer = None
+    utilization = config.gpu_memory_utilization
     if kv_store_socket is not None:
-        from kvstore.connector import transfer_config
+        from kvstore.connector import STAGING_BYTES, transfer_config
+        from kvstore.page_layer import DeviceCopier
 
-        transfer = transfer_config(kv_store_socket)
+        staging = kv_staging_bytes or STAGING_BYTES
+        transfer = transfer_config(kv_store_socket, staging)
+        if gpu_memory_bytes is not None and config.kv_cache_memory_bytes is None:
+            utilization = utilization_beside(
+                utilization, DeviceCopier.budget(staging), gpu_memory_bytes
+            )
 
     backend = config.attention_backend
     guard: dict[str, Any] = {}
@@ -103,7 +115,7 @@ def engine_args(
             backend="xgrammar",
             disable_any_whitespace=config.json_whitespace == "compact",
         ),
-        gpu_memory_utilization=config.gpu_memory_utilization,
+        gpu_memory_utilization=utilization,
         tensor_parallel_size=config.tensor_parallel_size,
         enforce_eager=config.enforce_eager,
         enable_prefix_caching=config.enable_prefix_caching,
@@ -119,6 +131,22 @@ def engine_args(
         # An EP rank's own (parallel) wins.
         **(guard | executor | (parallel or {})),
     )
+
+
+def utilization_beside(utilization: float, reserved: int, device_bytes: int) -> float:
+    """vLLM's ``gpu_memory_utilization`` that leaves ``reserved`` bytes of a
+    device of ``device_bytes`` to what the KV connector allocates once vLLM has
+    sized its cache (vLLM 0.32 builds its connector after profiling, so it does
+    not count it): the cache is smaller by exactly that."""
+    left = utilization - reserved / device_bytes
+    if left <= 0:
+        raise ValueError(
+            f"engine.gpu_memory_utilization {utilization} leaves nothing once the "
+            f"page store's staging buffers ({reserved / 2**20:.0f} MiB of the "
+            f"device's {device_bytes / 2**30:.1f} GiB, 8 x kvstore.gpu_staging_mib) "
+            "are reserved"
+        )
+    return left
 
 
 def check_platform(config: EngineConfig) -> Backend:

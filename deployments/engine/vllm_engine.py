@@ -18,7 +18,7 @@ from opentelemetry.trace import SpanKind
 
 from cluster import tracing
 from cluster.config import ClusterConfig
-from cluster.platform import EnginePlatform
+from cluster.platform import Backend, EnginePlatform
 from cluster.qos import QoS
 from deployments.engine.args import (
     check_platform,
@@ -111,6 +111,11 @@ class VLLMEngine:
         parallel = None
         if group is not None:
             parallel = group.engine_kwargs() | ep_group.gpu_engine_kwargs(config)
+        gpu_memory = None
+        if backend is Backend.GPU and kv_store_socket is not None:
+            from vllm.platforms import current_platform
+
+            gpu_memory = current_platform.get_device_total_memory()  # NVML
         args = engine_args(
             config.model.path,
             config.model.served_name,
@@ -118,6 +123,8 @@ class VLLMEngine:
             kv_events_endpoint,
             kv_store_socket,
             parallel,
+            kv_staging_bytes=config.kvstore.gpu_staging_mib << 20,
+            gpu_memory_bytes=gpu_memory,
         )
         from deployments.engine.stat_logger import EngineStatLogger
 

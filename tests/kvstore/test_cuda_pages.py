@@ -280,6 +280,26 @@ def test_pages_cross_the_staging_buffers_a_chunk_at_a_time() -> None:
         assert torch.equal(cache[70:80], cache[10:20])
 
 
+def test_the_copier_holds_the_device_memory_it_says_within_its_budget(
+    store: str,
+) -> None:
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    caches, copier = chunked()
+    held = torch.cuda.memory_allocated() - before - sum(c.nbytes for c in caches)
+    # torch's allocator rounds each tensor up to 512 bytes.
+    assert copier.device_bytes <= held <= copier.device_bytes + 16 * 512
+    assert held <= DeviceCopier.budget(3 * PAGE_BYTES)
+    # An engine whose pages do not fit kvstore.gpu_staging_mib is told so.
+    engine = Engine(store, fill=False)
+    worker = StoreWorker(
+        engine.worker_client, NUM_BLOCKS, "tiny", BLOCK, [].append, PAGE_BYTES - 8
+    )
+    with pytest.raises(ValueError, match=r"raise kvstore\.gpu_staging_mib"):
+        worker.register(engine.caches)
+    engine.close()
+
+
 def hold(copier: DeviceCopier, way: int, busy: str) -> None:
     """Keeps a stream busy: the caller's (``engine``) or the copier's copy
     stream for loads (way 0) or saves (way 1)."""

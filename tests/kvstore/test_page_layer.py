@@ -233,3 +233,24 @@ def test_a_device_copier_needs_layers_that_tile_a_page_of_words() -> None:
     gap = [layers[0], PageLayer("l1", layers[1].cache, 0, layers[0].nbytes + 8)]
     with pytest.raises(ValueError, match="does not follow"):
         DeviceCopier(gap, page_bytes)
+
+
+@pytest.mark.parametrize(
+    "page_bytes, chunk_bytes",
+    [(48, 48), (48, 4096), (6912, 6912), (6912, 100_000), (6912, 1 << 20)],
+)
+def test_a_device_copier_holds_no_more_device_memory_than_its_budget(
+    page_bytes: int, chunk_bytes: int
+) -> None:
+    cache = torch.zeros((4, page_bytes), dtype=torch.uint8)
+    copier = DeviceCopier([PageLayer("l0", cache, 0, 0)], page_bytes, chunk_bytes)
+    # As many whole pages as a buffer takes, in each of its six buffers.
+    staged = copier.per_chunk * page_bytes
+    assert chunk_bytes - page_bytes < staged <= chunk_bytes
+    assert 6 * staged <= copier.device_bytes <= DeviceCopier.budget(chunk_bytes)
+
+
+def test_a_device_copier_refuses_a_page_larger_than_its_staging_buffers() -> None:
+    layers, page_bytes = _layers(torch.bfloat16, 0)
+    with pytest.raises(ValueError, match="does not fit a staging buffer"):
+        DeviceCopier(layers, page_bytes, chunk_bytes=page_bytes - 8)

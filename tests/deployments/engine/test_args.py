@@ -158,3 +158,48 @@ def test_a_background_prefill_cap_below_one_token_is_refused(bad: int) -> None:
 
     with pytest.raises(ValidationError, match="background_prefill_tokens"):
         ClusterConfig.model_validate({"engine": {"background_prefill_tokens": bad}})
+
+
+def test_a_gpu_engine_s_kv_cache_gives_the_page_store_s_staging_its_memory() -> None:
+    from deployments.engine.args import engine_args
+
+    gpu, staging = 80 << 30, 16 << 20  # an 80 GiB device; 16 MiB buffers
+    config = EngineConfig(gpu_memory_utilization=0.9, block_size=64)
+    args = engine_args(
+        "/m",
+        "m",
+        config,
+        kv_store_socket="/s",
+        kv_staging_bytes=staging,
+        gpu_memory_bytes=gpu,
+    )
+    extra = args.kv_transfer_config.kv_connector_extra_config
+    assert extra == {"socket": "/s", "staging_bytes": staging}
+    # vLLM sizes its cache as utilization x device - what its profile run used:
+    # the cache is smaller by the copier's budget, 8 buffers' worth.
+    assert args.gpu_memory_utilization * gpu == pytest.approx(0.9 * gpu - 8 * staging)
+    # Untouched without the store, on a CPU (no device size) or with the cache
+    # sized by hand.
+    for kwargs, engine in [
+        ({"gpu_memory_bytes": gpu}, config),
+        ({"kv_store_socket": "/s"}, config),
+        (
+            {"kv_store_socket": "/s", "gpu_memory_bytes": gpu},
+            EngineConfig(
+                gpu_memory_utilization=0.9, block_size=64, kv_cache_memory_bytes=1 << 30
+            ),
+        ),
+    ]:
+        assert engine_args("/m", "m", engine, **kwargs).gpu_memory_utilization == 0.9
+    with pytest.raises(
+        ValueError,
+        match=r"gpu_memory_utilization 0\.1 leaves.*kvstore\.gpu_staging_mib",
+    ):
+        engine_args(
+            "/m",
+            "m",
+            EngineConfig(gpu_memory_utilization=0.1, block_size=64),
+            kv_store_socket="/s",
+            kv_staging_bytes=2 << 30,
+            gpu_memory_bytes=gpu,
+        )
