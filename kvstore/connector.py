@@ -48,11 +48,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("moe_cluster.kvstore")
 
-# Each of a GPU engine's staging buffers, unless its config says otherwise.
-STAGING_BYTES = DeviceCopier.CHUNK_BYTES
 
-
-def transfer_config(socket: str, staging_bytes: int = STAGING_BYTES) -> Any:
+def transfer_config(socket: str, staging_bytes: int = DeviceCopier.CHUNK_BYTES) -> Any:
     """vLLM's ``kv_transfer_config`` for an engine using the node store at
     ``socket``; on a GPU its pages go through staging buffers of
     ``staging_bytes`` (``DeviceCopier``)."""
@@ -91,7 +88,7 @@ class PageStoreConnector(KVConnectorBase_V1):
         tracing.install_process_logging()
         extra = self._kv_transfer_config.kv_connector_extra_config
         self._client = StoreClient(str(extra["socket"]))
-        staging = extra.get("staging_bytes", STAGING_BYTES)
+        staging = extra.get("staging_bytes", DeviceCopier.CHUNK_BYTES)
         if type(staging) is not int or staging <= 0:
             raise ValueError(
                 f"kv_connector_extra_config.staging_bytes must be a positive "

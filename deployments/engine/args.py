@@ -75,10 +75,10 @@ def engine_args(
     transfer = None
     utilization = config.gpu_memory_utilization
     if kv_store_socket is not None:
-        from kvstore.connector import STAGING_BYTES, transfer_config
+        from kvstore.connector import transfer_config
         from kvstore.page_layer import DeviceCopier
 
-        staging = kv_staging_bytes or STAGING_BYTES
+        staging = kv_staging_bytes or DeviceCopier.CHUNK_BYTES
         transfer = transfer_config(kv_store_socket, staging)
         if gpu_memory_bytes is not None and config.kv_cache_memory_bytes is None:
             utilization = utilization_beside(
