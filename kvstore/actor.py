@@ -75,18 +75,28 @@ class KVDirectoryActor:
         self.incarnation = uuid.uuid4().hex
         self.directory = Directory()
 
-    def cursor(self, node: NodeId, incarnation: str) -> int:
-        return self.directory.cursor(node, incarnation)
-
-    def publish(
+    def sync(
         self,
         node: NodeId,
         incarnation: str,
-        changes: Changes[BlockHash],
+        since: int,
+        changes: Changes[BlockHash] | None,
         hot: list[tuple[HotKey, int]],
-    ) -> None:
-        self.directory.publish(node, incarnation, changes)
-        self.directory.set_hot(node, hot)
+        mirror_incarnation: str,
+        mirror_since: int,
+    ) -> tuple[int, str, Changes[Entry]]:
+        """A store's one call each sync. Its ``changes`` (its log after ``since``;
+        None while no engine has opened its arena) are applied only where they
+        follow what the directory holds of the node: after the directory or the
+        store restarted they are dropped, and the store sends everything again.
+        Returns where the node's log is to be sent from next, and the directory's
+        own changes after (``mirror_incarnation``, ``mirror_since``)."""
+        if changes is not None:
+            if changes.full or self.directory.cursor(node, incarnation) == since:
+                self.directory.publish(node, incarnation, changes)
+            self.directory.set_hot(node, hot)
+        cursor = self.directory.cursor(node, incarnation)
+        return (cursor, *self.changes(mirror_incarnation, mirror_since))
 
     def changes(self, incarnation: str, since: int) -> tuple[str, Changes[Entry]]:
         if incarnation != self.incarnation:
@@ -113,6 +123,8 @@ class NodeStoreActor:
         )
         self.mirror = Directory()  # the cluster's directory as last synced
         self._mirror_from = ("", -1)  # directory incarnation, seq
+        self._published = -1  # this store's log, as far as the directory has it
+        self._syncing = asyncio.Lock()
         self.server = StoreServer(
             self.store,
             socket_path(app, node_id),
@@ -151,21 +163,29 @@ class NodeStoreActor:
         )
 
     async def sync(self) -> None:
-        """Publishes this node's changes and mirrors the directory (once)."""
-        if self._directory is None:
-            self._directory = directory(self.app)
-        d = self._directory
-        since = await d.cursor.remote(self.node_id, self.incarnation)
-        if self.store.index is not None:
-            await d.publish.remote(
-                self.node_id,
-                self.incarnation,
-                self.store.changes(since),
-                self.store.hot.top(32),
-            )
-        inc, changes = await d.changes.remote(*self._mirror_from)
-        self.mirror.follow(changes)
-        self._mirror_from = (inc, changes.seq)
+        """Publishes this node's changes and mirrors the directory: one call to
+        the directory, two when it did not hold what the changes follow (it
+        restarted: the second sends everything)."""
+        async with self._syncing:
+            if self._directory is None:
+                self._directory = directory(self.app)
+            for _ in range(2):
+                since = self._published
+                index = self.store.index is not None
+                changes = self.store.changes(since) if index else None
+                cursor, inc, log = await self._directory.sync.remote(
+                    self.node_id,
+                    self.incarnation,
+                    since,
+                    changes,
+                    self.store.hot.top(32) if index else [],
+                    *self._mirror_from,
+                )
+                self.mirror.follow(log)
+                self._mirror_from = (inc, log.seq)
+                self._published = cursor
+                if changes is None or cursor == changes.seq:
+                    return
 
     # -- fetching from other nodes -----------------------------------------------
 

@@ -21,15 +21,18 @@ PAGE = 256
 
 
 class Remote:
-    """``handle.method.remote(...)`` on a plain object, awaited as Ray's is."""
+    """``handle.method.remote(...)`` on a plain object, awaited as Ray's is;
+    ``calls`` counts them."""
 
     def __init__(self, target: Any) -> None:
         self._target = target
+        self.calls = 0
 
     def __getattr__(self, name: str) -> Any:
         method: Callable[..., Any] = getattr(self._target, name)
 
         async def call(*args: Any) -> Any:
+            self.calls += 1
             return method(*args)
 
         return type("Method", (), {"remote": staticmethod(call)})
@@ -40,7 +43,8 @@ async def test_a_store_publishes_its_pages_and_mirrors_the_directory() -> None:
     directory = kv_actor.KVDirectoryActor()
     config = KVStoreConfig(capacity_bytes=8 * PAGE, sync_interval_s=3600)
     store = kv_actor.NodeStoreActor(app, "node-a", config)
-    store._directory = Remote(directory)  # what kv_actor.directory(app) returns
+    remote = Remote(directory)
+    store._directory = remote  # what kv_actor.directory(app) returns
     try:
         socket = await store.start()
         hashes = list(block_hashes(list(range(3 * 16)), 16))
@@ -72,6 +76,21 @@ async def test_a_store_publishes_its_pages_and_mirrors_the_directory() -> None:
         assert store.mirror.locate(hashes) == ("node-a", 3)
         _, log = directory.changes("", -1)
         assert set(log.added) == {("node-a", h) for h in hashes}
+        # One round trip a sync: the changes since the last, and the mirror's.
+        calls = remote.calls
+        await store.sync()
+        assert remote.calls == calls + 1 and directory.summary() == {"node-a": 3}
+
+        # A directory that restarted holds nothing: the store's changes since
+        # its last sync (none) do not follow from that, so it sends everything.
+        directory = kv_actor.KVDirectoryActor()
+        remote = Remote(directory)
+        store._directory = remote
+        await store.sync()
+        assert remote.calls == 2 and directory.summary() == {"node-a": 3}
+        assert store.mirror.locate(hashes) == ("node-a", 3)
+        await store.sync()
+        assert remote.calls == 3
 
         got, pages = store.export(hashes)  # what another node fetches
         assert got == hashes and np.array_equal(pages, rows)
