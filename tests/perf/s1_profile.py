@@ -1,6 +1,6 @@
 """Where S1's time goes: CPU per process, and py-spy's top frames.
 
-    .venv/bin/python -m tests.perf.s1_profile [moe|vllm] [--engine-json J]
+    .venv/bin/python -m tests.perf.s1_profile [moe|vllm|vllm-uni|...] [--engine-json J]
         [--router-json J] [--kvstore-json J] [--pyspy SECONDS]
         [--pyspy-concurrency N] [--grpc] [--vllm-no-stats]
 
@@ -25,12 +25,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from tests.perf.compare_peers import PEERS, S1, Peer, Server, closed
+from tests.perf.compare_peers import PEERS, S1, Server, closed, is_moe
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -130,7 +131,13 @@ async def run(
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("system", choices=["moe", "vllm", "rsllm"], default="moe")
+    p.add_argument(
+        "system",
+        choices=[peer.key for peer in PEERS],
+        default="moe",
+        help="a make bench-peers peer, started as it starts it (its arguments and "
+        "environment: vllm-uni is vLLM with the uni executor)",
+    )
     p.add_argument("--engine-json", default="{}")
     p.add_argument("--router-json", default="{}")
     p.add_argument("--kvstore-json", default="{}", help="moe: page store settings")
@@ -153,20 +160,14 @@ def main() -> None:
     args = p.parse_args()
     base = next(peer for peer in PEERS if peer.key == args.system)
     extra = args.server_args.split()
-    if args.system == "moe":
+    if is_moe(args.system):
         extra += ["--engine-json", args.engine_json, "--router-json", args.router_json]
         extra += ["--kvstore-json", args.kvstore_json]
     if args.vllm_no_stats:
-        if args.system != "vllm":
-            p.error("--vllm-no-stats is bare vLLM's (system vllm)")
+        if args.system not in ("vllm", "vllm-uni"):
+            p.error("--vllm-no-stats is bare vLLM's (system vllm or vllm-uni)")
         extra.append("--disable-log-stats")
-    peer = Peer(
-        base.key,
-        base.label,
-        lambda r: [*base.command(r), *extra],
-        base.scenarios,
-        base.uses_ray,
-    )
+    peer = replace(base, command=lambda r: [*base.command(r), *extra])
     logs = Path(tempfile.mkdtemp(prefix="s1-"))
     started = time.time()
     server = Server(peer, 1, logs / "server.log")
