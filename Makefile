@@ -74,7 +74,7 @@ clean:
 	rm -rf $(VENV) $(MODEL) .pytest_cache .mypy_cache .ruff_cache
 
 # moe-cluster against bare vLLM and Ray Serve LLM on the same model and workloads
-# (~30 min on AMX, ~50 on AVX2; writes tests/perf/results/peers-<backend>.{json,md},
+# (~35 min on AMX, ~40 on AVX2; writes tests/perf/results/peers-<backend>.{json,md},
 # one pair per kind of CPU).
 bench-peers: install
 	$(BIN)/python -m tests.perf.compare_peers
@@ -82,7 +82,8 @@ bench-peers: install
 # One scenario, every peer started afresh each round in a rotating order:
 # moe-cluster's ratios to each reference with a 95% interval (writes
 # tests/perf/results/<scenario>_pairs-<backend>.{json,md}). S1 against bare vLLM
-# (~40 min for 4 rounds); S3 against Ray Serve LLM (~33 min for 4 rounds).
+# (~4.5 min a round on AMX, ~7 on AVX2); S3 against Ray Serve LLM (~6.5 min a
+# round on AMX). Four rounds by default.
 bench-s1-pairs: install
 	$(BIN)/python -m tests.perf.pairs --scenario S1
 
