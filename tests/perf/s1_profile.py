@@ -2,7 +2,7 @@
 
     .venv/bin/python -m tests.perf.s1_profile [moe|vllm|vllm-uni|...] [--engine-json J]
         [--router-json J] [--kvstore-json J] [--pyspy SECONDS]
-        [--pyspy-concurrency N] [--grpc] [--vllm-no-stats]
+        [--pyspy-concurrency N] [--grpc] [--vllm-no-stats] [--idle SECONDS]
 
 Starts one system as ``make bench-peers`` does (one replica, one core), runs S1
 (128 prompt tokens, 64 output tokens) closed loop at concurrency 1 and 4 (every
@@ -12,7 +12,9 @@ meanwhile samples every process the system started: CPU seconds per process
 EngineCore, the router, Ray's own daemons) per request served. With ``--pyspy``
 it also records each of the busiest processes with py-spy for that long, at
 ``--pyspy-concurrency`` streams (one by default), and prints the frames that
-hold most samples (self and inclusive).
+hold most samples (self and inclusive). With ``--idle`` it first measures the
+started server serving nothing, for that long: CPU per second per process (what
+the system costs a node whether or not it serves).
 """
 
 from __future__ import annotations
@@ -146,6 +148,12 @@ def main() -> None:
     p.add_argument(
         "--pyspy-concurrency", type=int, default=1, help="streams while py-spy runs"
     )
+    p.add_argument(
+        "--idle",
+        type=int,
+        default=0,
+        help="first, seconds of the started server idle: CPU per second per process",
+    )
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--label", default="")
     p.add_argument(
@@ -178,6 +186,18 @@ def main() -> None:
     }
     try:
         procs = processes(started)
+        if args.idle:
+            time.sleep(5.0)  # past the start's last work (warmup, first reports)
+            before = cpu(procs)
+            time.sleep(args.idle)
+            used = by_title(before, cpu(procs))
+            out["idle_cpu_ms_per_s"] = {
+                k: round(1000 * v / args.idle, 1) for k, v in used.items() if v > 0
+            }
+            print(f"idle: {1000 * sum(used.values()) / args.idle:.1f} ms CPU/s")
+            for name, v in used.items():
+                if v > 0:
+                    print(f"    {name:45s} {1000 * v / args.idle:8.1f} ms CPU/s")
         if args.pyspy:
             busy = {
                 pid: name
