@@ -82,6 +82,14 @@ def by_title(
     return dict(sorted(total.items(), key=lambda kv: -kv[1]))
 
 
+def print_cpu(used: dict[str, float], per: float, unit: str, floor: float) -> None:
+    """One line per process title using more than ``floor`` CPU seconds: its
+    milliseconds per ``unit`` (``per`` of them in the interval)."""
+    for name, v in used.items():
+        if v > floor:
+            print(f"    {name:45s} {1000 * v / per:8.1f} ms CPU/{unit}")
+
+
 def top_frames(raw: Path, n: int = 12) -> tuple[list[Any], list[Any], int]:
     """(self, inclusive, samples) from py-spy's collapsed stacks."""
     own: collections.Counter[str] = collections.Counter()
@@ -195,9 +203,7 @@ def main() -> None:
                 k: round(1000 * v / args.idle, 1) for k, v in used.items() if v > 0
             }
             print(f"idle: {1000 * sum(used.values()) / args.idle:.1f} ms CPU/s")
-            for name, v in used.items():
-                if v > 0:
-                    print(f"    {name:45s} {1000 * v / args.idle:8.1f} ms CPU/s")
+            print_cpu(used, args.idle, "s", floor=0.0)
         if args.pyspy:
             busy = {
                 pid: name
@@ -244,9 +250,7 @@ def main() -> None:
                 f" errors {s['errors']}",
                 flush=True,
             )
-            for name, v in used.items():
-                if v > 0.05:
-                    print(f"    {name:45s} {1000 * v / args.requests:8.1f} ms CPU/req")
+            print_cpu(used, args.requests, "req", floor=0.05)
     finally:
         server.stop()
     RESULTS.mkdir(exist_ok=True)
