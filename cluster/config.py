@@ -143,6 +143,17 @@ class EngineConfig(_Strict):
     omp_num_threads: int | None = Field(
         None, gt=0, description="OMP_NUM_THREADS for each engine process (CPU backend)."
     )
+    cpu_cores: Literal["auto", "reserved", "shared"] = Field(
+        "auto",
+        description="CPU backend, on a cluster `moe-cluster serve` starts: reserved "
+        "gives each engine omp_num_threads cores of its own (the node's last ones) "
+        "and runs Ray, Serve, the router and the page store on the others, so "
+        "none of them preempts an engine mid-step (an error where the node has "
+        "too few cores, or omp_num_threads is unset). shared lets the OS place "
+        "every process on every core. auto: reserved where the node keeps a core "
+        "for the rest (one one-thread engine on 2 cores), shared otherwise (two "
+        "on 2 cores). Counts the autoscaler's most replicas.",
+    )
     executor: Literal["auto", "uni", "mp"] = Field(
         "auto",
         description="Where vLLM runs the model of an engine of one rank. uni: in "

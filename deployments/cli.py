@@ -60,6 +60,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = prepare_model(_config(args.config))
     print(f"moe-cluster: engines get {config.engine_platform().describe()}", flush=True)
+    if args.address in (None, "local"):
+        # Before Ray starts: its processes inherit where this one may run.
+        print(f"moe-cluster: {lay_out_cores(config)}", flush=True)
     started = time.monotonic()
     traces = trace_settings(config)
     os.environ.update(config.server.serve_env())  # the Ray processes inherit it
@@ -108,6 +111,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     kv_actor.kill(config.server.app_name)  # the nodes' page arenas go with it
     ray.shutdown()
     return 0
+
+
+def lay_out_cores(config: ClusterConfig) -> str:
+    """Lays the node's cores out for the engines (``engine.cpu_cores``) before a
+    new local cluster starts; says how."""
+    from cluster import cpu_layout
+
+    layout, why = cpu_layout.for_local_cluster(config)
+    if layout is None:
+        return f"engines share the cores with the rest of the cluster ({why})"
+    cpu_layout.apply(layout)
+    return layout.describe()
 
 
 def end_leftover_haproxy(node_id: str) -> list[int]:

@@ -6,6 +6,7 @@ out). vLLM is imported here and in no module the ingress loads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry.trace import SpanKind
 
-from cluster import tracing
+from cluster import cpu_layout, tracing
 from cluster.config import ClusterConfig
 from cluster.platform import Backend, EnginePlatform
 from cluster.qos import QoS
@@ -94,6 +95,9 @@ class VLLMEngine:
         # keep waiting. Open for the replica's life: closing it would drop the
         # slot of an engine core running in this process (POSIX locks).
         self.board: RealtimeBoard | None = None
+        # engine.cpu_cores: the slot of cores its engine computes on, held until
+        # shutdown (or this process's end).
+        self.cores: cpu_layout.Claim | None = None
 
     @classmethod
     def start(
@@ -131,11 +135,24 @@ class VLLMEngine:
         # vLLM's metrics under its own names, recorded in this replica's process
         # (ray_vllm_* on Ray's endpoint, with a ReplicaId tag), as Ray Serve LLM
         # records them: its Grafana dashboard joins on them.
-        engine = AsyncLLM.from_engine_args(args, stat_loggers=[EngineStatLogger])
+        cores = _claim_cores(backend)
+        e = config.engine
+        spawning: Any = contextlib.nullcontext()
+        if cores is not None:
+            spawning = cores.spawning(e.omp_num_threads == 1 and e.executor == "uni")
         try:
-            check_started(config.engine, engine.vllm_config)
-        except RuntimeError:
-            engine.shutdown()
+            with spawning:
+                engine = AsyncLLM.from_engine_args(
+                    args, stat_loggers=[EngineStatLogger]
+                )
+            try:
+                check_started(config.engine, engine.vllm_config)
+            except RuntimeError:
+                engine.shutdown()
+                raise
+        except BaseException:
+            if cores is not None:
+                cores.release()
             raise
         started = cls(
             engine,
@@ -143,6 +160,7 @@ class VLLMEngine:
             config.engine.stream_interval_ms / 1000,
             config.engine.background_stream_interval_ms / 1000,
         )
+        started.cores = cores
         if config.engine.background_cpu_yield > 0:
             started.board = RealtimeBoard(claim=False)
         cache = engine.vllm_config.cache_config
@@ -431,6 +449,24 @@ class VLLMEngine:
 
     def shutdown(self) -> None:
         self._engine.shutdown()
+        if self.cores is not None:
+            self.cores.release()
+
+
+def _claim_cores(backend: Backend) -> cpu_layout.Claim | None:
+    """This node's engine core slot for the engine about to start, where the
+    cluster was started with one (``engine.cpu_cores``)."""
+    layout = cpu_layout.current()
+    if layout is None or backend is Backend.GPU:
+        return None
+    claim = cpu_layout.Claim.take(layout)
+    if claim is None:
+        logger.warning(
+            "every engine core slot of this node is taken (%s): this engine "
+            "shares the cores of the rest of the cluster",
+            layout.describe(),
+        )
+    return claim
 
 
 def _logprobs(seq: Any, k: int) -> tuple[TokenLogprob, ...]:

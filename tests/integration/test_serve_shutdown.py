@@ -2,7 +2,8 @@
 stream runs: the stream runs to its end; a request sent meanwhile is refused with
 UNAVAILABLE / 503 and a retry hint (not left hanging, not Serve's 404 of an app
 already gone) and health checks say NOT_SERVING; the command exits 0 and leaves
-none of its processes running.
+none of its processes running. With one engine on the node, the engine core
+computes on a core of its own (engine.cpu_cores: auto).
 
 Its own cluster, in a child process, beside the session's (which idles)."""
 
@@ -39,6 +40,40 @@ def _request(max_tokens: int) -> pb.GenerateRequest:
             max_tokens=max_tokens, temperature=0, ignore_eos=True
         ),
     )
+
+
+def _main_thread_cores(p: psutil.Process) -> set[int] | None:
+    try:
+        return os.sched_getaffinity(p.pid)
+    except ProcessLookupError:
+        return None
+
+
+def check_core_layout(tree: list[psutil.Process], log: str) -> None:
+    """engine.cpu_cores auto with one one-thread engine: its engine core's main
+    thread computes on the node's last core, alone; every other process the
+    command started, Ray's included, and the engine core's other threads run on
+    the other cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        assert "engines share the cores" in log, log
+        return
+    slot, serving = {cores[-1]}, set(cores[:-1])
+    assert f"engines on cores {cores[-1]} (one slot each)" in log, log
+    engines = []
+    for p in tree:
+        try:
+            if p.cmdline()[:1] == ["VLLM::EngineCore"]:
+                engines.append(p)
+        except (psutil.NoSuchProcess, IndexError):
+            pass
+    assert len(engines) == 1, engines
+    pid = engines[0].pid
+    assert os.sched_getaffinity(pid) == slot
+    threads = {int(t) for t in os.listdir(f"/proc/{pid}/task")} - {pid}
+    assert threads and all(os.sched_getaffinity(t) == serving for t in threads)
+    elsewhere = {p.pid: _main_thread_cores(p) for p in tree if p.pid != pid}
+    assert all(c in (serving, None) for c in elsewhere.values()), elsewhere
 
 
 @pytest.mark.timeout(600)
@@ -78,6 +113,7 @@ def test_stopping_serve_lets_streams_finish_and_refuses_new_ones(
             health_pb2.HealthCheckRequest(), timeout=30
         )
         assert serving.status == health_pb2.HealthCheckResponse.SERVING
+        check_core_layout(tree, log.read_text())
         late: list[tuple[object, str]] = []
 
         def send_late() -> None:

@@ -129,7 +129,7 @@ def serve_moe_cluster(
 
     from cluster.config import ClusterConfig
     from deployments.app import deploy, prepare_model
-    from deployments.cli import trace_settings
+    from deployments.cli import lay_out_cores, trace_settings
 
     config = prepare_model(
         ClusterConfig.model_validate(
@@ -148,6 +148,7 @@ def serve_moe_cluster(
     )
     os.environ.update(config.server.serve_env())
     trace_settings(config)  # as `moe-cluster serve`: OTEL_* in the environment
+    print(f"moe-cluster: {lay_out_cores(config)}", flush=True)  # as it, too
     ray.init(num_cpus=2, include_dashboard=False)
     deploy(config, external_scaler=scalable)
     return config.server.app_name

@@ -1,0 +1,238 @@
+"""Cores of their own for CPU engines, and the rest of the node for everything else.
+
+On vLLM's CPU backend an engine's step is its OpenMP threads computing; with one
+thread per engine, that is the engine core's main thread. Everything else on the
+node (Ray's daemons, Serve's controller and proxy, the ingress and engine
+replicas, the router, the page store) wakes many times a second. Left to the
+scheduler, those wakes land on the engine's core as often as not and preempt it
+mid-step, and the engine's thread moves between cores, leaving its caches behind:
+on a 2-core Xeon one stream's TPOT went from ~4.9 ms to 6-8.6 ms, changing from
+run to run (``tests/perf/s1_profile.py``, README).
+
+``engine.cpu_cores`` (``reserved``, or ``auto`` where the node has cores to
+spare) lays the node out before its Ray processes start: each engine gets a slot
+of ``omp_num_threads`` cores of its own (the node's last ones), and the process
+that starts the cluster moves itself onto the other cores, which every Ray
+process it starts inherits. The slots travel to the engine replicas in
+``MOE_CLUSTER_ENGINE_CORES``; each replica claims a free one (an abstract Unix
+socket bound under the slot's name: the kernel frees it when the process ends, so
+a restarted replica finds its predecessor's slot free) and spawns its engine onto
+it. With the one-thread, in-process engine (``executor: uni``), only the engine
+core's main thread stays there; its other threads (vLLM's socket I/O, gloo, the
+page store's committer) join the serving cores.
+
+Only a cluster that ``moe-cluster serve`` starts is laid out: the layout names
+the cores of the one node it starts on. Engine replicas of a cluster joined
+another way see no ``MOE_CLUSTER_ENGINE_CORES`` and share the cores as before.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+
+import psutil
+
+from cluster.config import ClusterConfig
+from cluster.platform import Backend
+
+logger = logging.getLogger("moe_cluster.cpu_layout")
+
+ENV = "MOE_CLUSTER_ENGINE_CORES"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``slots``: each engine's cores; ``serving``: every other core of the node,
+    for the rest of the cluster. ``name`` is unique per cluster start: it names
+    the slots' claims, so two clusters on one machine never share them."""
+
+    name: str
+    slots: tuple[tuple[int, ...], ...]
+    serving: tuple[int, ...]
+
+    def to_env(self) -> str:
+        return json.dumps(
+            {"name": self.name, "slots": self.slots, "serving": self.serving}
+        )
+
+    @classmethod
+    def from_env(cls, value: str) -> Layout:
+        d = json.loads(value)
+        return cls(
+            str(d["name"]),
+            tuple(tuple(int(c) for c in s) for s in d["slots"]),
+            tuple(int(c) for c in d["serving"]),
+        )
+
+    def describe(self) -> str:
+        slots = ", ".join(_cores(s) for s in self.slots)
+        return (
+            f"engines on cores {slots} (one slot each), the rest of the cluster on "
+            f"{_cores(self.serving)}"
+        )
+
+
+def _cores(cores: Sequence[int]) -> str:
+    return ",".join(str(c) for c in cores)
+
+
+def plan(cores: Sequence[int], engines: int, threads: int, name: str) -> Layout:
+    """``engines`` slots of ``threads`` cores each, from the end of ``cores``;
+    raises ValueError unless at least one core is left for the rest."""
+    ordered = sorted(cores)
+    need = engines * threads
+    if need >= len(ordered):
+        raise ValueError(
+            f"{engines} engine{'s' * (engines > 1)} of {threads} "
+            f"thread{'s' * (threads > 1)} need {need} cores of their own and one "
+            f"more for the rest of the cluster; this node lets it use "
+            f"{len(ordered)} ({_cores(ordered)})"
+        )
+    engine_cores = ordered[len(ordered) - need :]
+    slots = tuple(
+        tuple(engine_cores[i * threads : (i + 1) * threads]) for i in range(engines)
+    )
+    return Layout(name, slots, tuple(ordered[: len(ordered) - need]))
+
+
+def engines_on_node(config: ClusterConfig) -> int:
+    """The most engine processes a cluster of ``config`` on one node runs at once:
+    replicas (or EP groups, up to the autoscaler's most) times ranks times tensor
+    parallel ranks."""
+    d = config.deployment
+    replicas = max(d.num_replicas, d.autoscaling.max_replicas * d.autoscaling.enabled)
+    ranks = config.expert_parallel.ranks if config.expert_parallel.enabled else 1
+    return replicas * ranks * config.engine.tensor_parallel_size
+
+
+def for_local_cluster(
+    config: ClusterConfig, cores: Sequence[int] | None = None
+) -> tuple[Layout | None, str]:
+    """The layout of a new one-node cluster of ``config`` (``cores``: the node's
+    cores this process may use), or None and why the engines share the cores.
+    Raises ValueError where ``engine.cpu_cores`` is ``reserved`` and it cannot be."""
+    e = config.engine
+    if e.cpu_cores == "shared":
+        return None, "engine.cpu_cores: shared"
+    why = ""
+    if config.engine_platform().backend is Backend.GPU:
+        why = "the engines run on GPUs"
+    elif e.omp_num_threads is None:
+        why = "engine.omp_num_threads is not set (how many cores an engine computes on)"
+    elif e.cpu_omp_threads_bind != "nobind":
+        why = f"engine.cpu_omp_threads_bind is {e.cpu_omp_threads_bind!r}"
+    if why and e.cpu_cores == "reserved":
+        raise ValueError(f"engine.cpu_cores: reserved, but {why}")
+    if why:
+        return None, why
+    assert e.omp_num_threads is not None
+    available = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    name = f"{os.getpid()}-{time.time_ns()}"
+    try:
+        return plan(available, engines_on_node(config), e.omp_num_threads, name), ""
+    except ValueError as err:
+        if e.cpu_cores == "reserved":
+            raise ValueError(f"engine.cpu_cores: reserved, but {err}") from None
+        return None, str(err)
+
+
+def apply(layout: Layout) -> None:
+    """Moves the calling thread onto the serving cores (so every process it starts
+    from now, Ray's included, runs there) and hands the layout to them."""
+    os.sched_setaffinity(0, layout.serving)
+    os.environ[ENV] = layout.to_env()
+
+
+def current() -> Layout | None:
+    """The layout this process was started under, if any."""
+    value = os.environ.get(ENV)
+    return Layout.from_env(value) if value else None
+
+
+class Claim:
+    """One engine slot, held by this process until it ends or ``release``."""
+
+    def __init__(self, layout: Layout, slot: int, sock: socket.socket) -> None:
+        self.layout, self.slot, self._sock = layout, slot, sock
+
+    @property
+    def cores(self) -> tuple[int, ...]:
+        return self.layout.slots[self.slot]
+
+    @classmethod
+    def take(cls, layout: Layout) -> Claim | None:
+        """The first free slot of ``layout``, or None when every one is held."""
+        for i in range(len(layout.slots)):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.bind(f"\0moe-cluster-engine-cores/{layout.name}/{i}")
+            except OSError:
+                sock.close()
+                continue
+            return cls(layout, i, sock)
+        return None
+
+    def release(self) -> None:
+        self._sock.close()
+
+    @contextmanager
+    def spawning(self, one_thread_in_process: bool) -> Iterator[None]:
+        """Processes the calling thread starts inside run on the slot's cores.
+        ``one_thread_in_process``: the engine computes on its engine core's main
+        thread alone (one OpenMP thread, uni executor), so every other thread of
+        it, and every other process started inside, joins the serving cores."""
+        me = psutil.Process()
+        before = {p.pid for p in me.children(recursive=True)}
+        serving = set(self.layout.serving)
+        os.sched_setaffinity(0, self.cores)
+        try:
+            yield
+        finally:
+            os.sched_setaffinity(0, serving)
+            # Threads this one started inside inherited the slot: back to serving.
+            _move_threads(os.getpid(), serving, keep=set())
+            for child in me.children(recursive=True):
+                if child.pid in before:
+                    continue
+                title = _title(child)
+                if not title.startswith("VLLM::"):
+                    _move_threads(child.pid, serving, keep=set())
+                elif one_thread_in_process and title.startswith("VLLM::EngineCore"):
+                    _move_threads(child.pid, serving, keep={child.pid})
+                    logger.info(
+                        "engine core %d computes on core %s (slot %d); its other "
+                        "threads and the rest of the cluster on %s",
+                        child.pid,
+                        _cores(self.cores),
+                        self.slot,
+                        _cores(self.layout.serving),
+                    )
+
+
+def _title(p: psutil.Process) -> str:
+    try:
+        cmd = p.cmdline()
+    except psutil.Error:
+        return ""
+    return str(cmd[0]) if cmd else ""
+
+
+def _move_threads(pid: int, cores: set[int], keep: set[int]) -> None:
+    """Every thread of ``pid`` but those in ``keep`` onto ``cores`` (threads that
+    end meanwhile are skipped)."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return
+    for tid in tids:
+        if tid in keep:
+            continue
+        with suppress(OSError):
+            os.sched_setaffinity(tid, cores)

@@ -1,0 +1,178 @@
+"""engine.cpu_cores: how a node's cores are laid out, and the slot claims and
+spawning that put an engine onto its cores (real processes, real affinities)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import psutil
+import pytest
+
+from cluster import cpu_layout
+from cluster.config import ClusterConfig
+from cluster.cpu_layout import Claim, Layout, plan
+
+
+def config(**engine: Any) -> ClusterConfig:
+    deployment = engine.pop("deployment", {})
+    return ClusterConfig.model_validate(
+        {
+            "model": {"path": "/m", "served_name": "m"},
+            "engine": {"attention_backend": "CPU_MLA", "omp_num_threads": 1} | engine,
+            "deployment": {"num_replicas": 1} | deployment,
+        }
+    )
+
+
+def test_engines_take_the_last_cores_and_leave_the_rest() -> None:
+    assert plan([0, 1], 1, 1, "n") == Layout("n", ((1,),), (0,))
+    assert plan(range(8), 2, 3, "n") == Layout("n", ((2, 3, 4), (5, 6, 7)), (0, 1))
+    assert plan([5, 3, 9], 1, 2, "n").slots == ((5, 9),)  # sorted, not positional
+    with pytest.raises(ValueError, match="need 2 cores of their own and one more"):
+        plan([0, 1], 2, 1, "n")
+
+
+def test_layout_travels_in_the_environment() -> None:
+    layout = plan(range(8), 2, 3, "123-456")
+    assert Layout.from_env(layout.to_env()) == layout
+    assert layout.describe() == (
+        "engines on cores 2,3,4, 5,6,7 (one slot each), the rest of the cluster on 0,1"
+    )
+
+
+def test_auto_reserves_only_where_a_core_is_left_over() -> None:
+    layout, why = cpu_layout.for_local_cluster(config(), [0, 1])
+    assert layout is not None and layout.slots == ((1,),) and why == ""
+    two = config(deployment={"num_replicas": 2})
+    assert cpu_layout.for_local_cluster(two, [0, 1])[0] is None
+    assert "need 2 cores of their own" in cpu_layout.for_local_cluster(two, [0, 1])[1]
+    assert cpu_layout.for_local_cluster(two, [0, 1, 2])[0] is not None
+    # The autoscaler's most replicas count: they would share the slots otherwise.
+    scaled = config(deployment={"autoscaling": {"enabled": True, "max_replicas": 3}})
+    assert "3 engines" in cpu_layout.for_local_cluster(scaled, [0, 1, 2])[1]
+    unset = config(omp_num_threads=None)
+    assert "omp_num_threads" in cpu_layout.for_local_cluster(unset, [0, 1])[1]
+    bound = config(cpu_omp_threads_bind="0-1")
+    assert "cpu_omp_threads_bind" in cpu_layout.for_local_cluster(bound, [0, 1])[1]
+    shared = config(cpu_cores="shared")
+    why = "engine.cpu_cores: shared"
+    assert cpu_layout.for_local_cluster(shared, [0, 1]) == (None, why)
+
+
+def test_reserved_says_why_it_cannot_be() -> None:
+    two = config(cpu_cores="reserved", deployment={"num_replicas": 2})
+    with pytest.raises(ValueError, match="reserved, but 2 engines of 1 thread need"):
+        cpu_layout.for_local_cluster(two, [0, 1])
+    with pytest.raises(ValueError, match=r"reserved, but engine\.omp_num_threads"):
+        cpu_layout.for_local_cluster(
+            config(cpu_cores="reserved", omp_num_threads=None), [0, 1]
+        )
+    with pytest.raises(ValueError, match="cpu_cores"):
+        config(cpu_cores="pinned")
+
+
+def test_each_slot_is_claimed_once_and_freed_with_its_holder() -> None:
+    layout = plan(range(4), 2, 1, f"test-{os.getpid()}-claims")
+    first, second = Claim.take(layout), Claim.take(layout)
+    assert first is not None and second is not None
+    assert (first.slot, second.slot) == (0, 1)
+    assert (first.cores, second.cores) == ((2,), (3,))
+    assert Claim.take(layout) is None  # both held
+    first.release()
+    again = Claim.take(layout)
+    assert again is not None and again.slot == 0
+    again.release()
+    second.release()
+    # A process that holds a slot and ends (a replica that died) frees it.
+    holder = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from cluster.cpu_layout import Claim, Layout; import sys; "
+            "c = Claim.take(Layout.from_env(sys.argv[1])); print(c.slot)",
+            layout.to_env(),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert holder.stdout.strip() == "0"
+    freed = Claim.take(layout)
+    assert freed is not None and freed.slot == 0
+    freed.release()
+
+
+@pytest.fixture
+def two_cores() -> Iterator[Layout]:
+    """A layout of this machine's last core for one engine, the rest serving;
+    this thread's affinity as it was afterwards."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("a layout needs 2 cores")
+    before = os.sched_getaffinity(0)
+    try:
+        yield plan(cores, 1, 1, f"test-{os.getpid()}-spawn")
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+CHILD = """
+import os, sys, threading, time
+if sys.argv[1] == "engine":
+    import setproctitle
+    setproctitle.setproctitle("VLLM::EngineCore")
+threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+print("ready", flush=True)
+time.sleep(30)
+"""
+
+
+def _affinities(pid: int) -> dict[int, set[int]]:
+    return {
+        int(t): os.sched_getaffinity(int(t)) for t in os.listdir(f"/proc/{pid}/task")
+    }
+
+
+@pytest.mark.parametrize("one_thread", [True, False])
+def test_an_engine_spawned_in_its_slot_computes_there(
+    two_cores: Layout, one_thread: bool
+) -> None:
+    claim = Claim.take(two_cores)
+    assert claim is not None
+    slot, serving = set(claim.cores), set(two_cores.serving)
+    children = []
+    try:
+        with claim.spawning(one_thread_in_process=one_thread):
+            assert os.sched_getaffinity(0) == slot
+            for kind in ("engine", "helper"):
+                p = subprocess.Popen(
+                    [sys.executable, "-c", CHILD, kind],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                children.append(p)
+                assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        # The spawning thread is back on the serving cores.
+        assert os.sched_getaffinity(0) == serving
+        engine, helper = children
+        threads = _affinities(engine.pid)
+        assert threads.pop(engine.pid) == slot  # the engine core's main thread
+        assert len(threads) >= 1
+        # A process started beside the engine that is not one serves.
+        assert all(a == serving for a in _affinities(helper.pid).values())
+        if one_thread:
+            # The engine core computes on its main thread; its others serve.
+            assert all(a == serving for a in threads.values()), threads
+        else:
+            # Several OpenMP threads: the whole engine stays on its slot.
+            assert all(a == slot for a in threads.values()), threads
+        assert psutil.Process(engine.pid).cmdline()[0] == "VLLM::EngineCore"
+    finally:
+        for p in children:
+            p.kill()
+            p.wait()
+        claim.release()
