@@ -3,27 +3,27 @@
 On vLLM's CPU backend an engine's step is its OpenMP threads computing; with one
 thread per engine, that is the engine core's main thread. Everything else on the
 node (Ray's daemons, Serve's controller and proxy, the ingress and engine
-replicas, the router, the page store) wakes many times a second. Left to the
-scheduler, those wakes land on the engine's core as often as not and preempt it
-mid-step, and the engine's thread moves between cores, leaving its caches behind:
-on a 2-core Xeon one stream's TPOT went from ~4.9 ms to 6-8.6 ms, changing from
-run to run (``tests/perf/s1_profile.py``, README).
+replicas, the router, the page store) wakes many times a second, and left to the
+scheduler it lands on the engine's core and preempts the engine mid-step.
 
-``engine.cpu_cores`` (``reserved``, or ``auto`` where the node has cores to
-spare) lays the node out before its Ray processes start: each engine gets a slot
-of ``omp_num_threads`` cores of its own (the node's last ones), and the process
-that starts the cluster moves itself onto the other cores, which every Ray
-process it starts inherits. The slots travel to the engine replicas in
-``MOE_CLUSTER_ENGINE_CORES``; each replica claims a free one (an abstract Unix
-socket bound under the slot's name: the kernel frees it when the process ends, so
-a restarted replica finds its predecessor's slot free) and spawns its engine onto
-it. With the one-thread, in-process engine (``executor: uni``), only the engine
-core's main thread stays there; its other threads (vLLM's socket I/O, gloo, the
-page store's committer) join the serving cores.
+``engine.cpu_cores: reserved`` lays the node out before its Ray processes start:
+each engine gets a slot of ``omp_num_threads`` cores of its own (the node's last
+ones), and the process that starts the cluster moves itself onto the other
+cores, which every Ray process it starts inherits. The slots travel to the
+engine replicas in ``MOE_CLUSTER_ENGINE_CORES``; each replica claims a free one
+(an abstract Unix socket bound under the slot's name: the kernel frees it when
+the process ends, so a restarted replica finds its predecessor's slot free) and
+spawns its engine onto it. With the one-thread, in-process engine (``executor:
+uni``), only the engine core's main thread stays there; its other threads
+(vLLM's socket I/O, gloo, the page store's committer) join the serving cores.
+
+The trade, measured on 2 cores (README): the engine computes undisturbed, and
+the rest of the cluster has one core left for bursts of its own. The default is
+``shared``.
 
 Only a cluster that ``moe-cluster serve`` starts is laid out: the layout names
 the cores of the one node it starts on. Engine replicas of a cluster joined
-another way see no ``MOE_CLUSTER_ENGINE_CORES`` and share the cores as before.
+another way see no ``MOE_CLUSTER_ENGINE_CORES`` and share the cores.
 """
 
 from __future__ import annotations
@@ -114,13 +114,13 @@ def engines_on_node(config: ClusterConfig) -> int:
 
 def for_local_cluster(
     config: ClusterConfig, cores: Sequence[int] | None = None
-) -> tuple[Layout | None, str]:
+) -> Layout | None:
     """The layout of a new one-node cluster of ``config`` (``cores``: the node's
-    cores this process may use), or None and why the engines share the cores.
-    Raises ValueError where ``engine.cpu_cores`` is ``reserved`` and it cannot be."""
+    cores this process may use), or None where its engines share the cores.
+    Raises ValueError, saying why, where ``engine.cpu_cores: reserved`` cannot be."""
     e = config.engine
     if e.cpu_cores == "shared":
-        return None, "engine.cpu_cores: shared"
+        return None
     why = ""
     if config.engine_platform().backend is Backend.GPU:
         why = "the engines run on GPUs"
@@ -128,19 +128,15 @@ def for_local_cluster(
         why = "engine.omp_num_threads is not set (how many cores an engine computes on)"
     elif e.cpu_omp_threads_bind != "nobind":
         why = f"engine.cpu_omp_threads_bind is {e.cpu_omp_threads_bind!r}"
-    if why and e.cpu_cores == "reserved":
-        raise ValueError(f"engine.cpu_cores: reserved, but {why}")
     if why:
-        return None, why
+        raise ValueError(f"engine.cpu_cores: reserved, but {why}")
     assert e.omp_num_threads is not None
     available = sorted(cores if cores is not None else os.sched_getaffinity(0))
     name = f"{os.getpid()}-{time.time_ns()}"
     try:
-        return plan(available, engines_on_node(config), e.omp_num_threads, name), ""
+        return plan(available, engines_on_node(config), e.omp_num_threads, name)
     except ValueError as err:
-        if e.cpu_cores == "reserved":
-            raise ValueError(f"engine.cpu_cores: reserved, but {err}") from None
-        return None, str(err)
+        raise ValueError(f"engine.cpu_cores: reserved, but {err}") from None
 
 
 def apply(layout: Layout) -> None:
@@ -182,38 +178,49 @@ class Claim:
     def release(self) -> None:
         self._sock.close()
 
-    @contextmanager
-    def spawning(self, one_thread_in_process: bool) -> Iterator[None]:
-        """Processes the calling thread starts inside run on the slot's cores.
-        ``one_thread_in_process``: the engine computes on its engine core's main
-        thread alone (one OpenMP thread, uni executor), so every other thread of
-        it, and every other process started inside, joins the serving cores."""
-        me = psutil.Process()
-        before = {p.pid for p in me.children(recursive=True)}
-        serving = set(self.layout.serving)
-        os.sched_setaffinity(0, self.cores)
-        try:
-            yield
-        finally:
-            os.sched_setaffinity(0, serving)
-            # Threads this one started inside inherited the slot: back to serving.
-            _move_threads(os.getpid(), serving, keep=set())
-            for child in me.children(recursive=True):
-                if child.pid in before:
-                    continue
-                title = _title(child)
-                if not title.startswith("VLLM::"):
-                    _move_threads(child.pid, serving, keep=set())
-                elif one_thread_in_process and title.startswith("VLLM::EngineCore"):
-                    _move_threads(child.pid, serving, keep={child.pid})
-                    logger.info(
-                        "engine core %d computes on core %s (slot %d); its other "
-                        "threads and the rest of the cluster on %s",
-                        child.pid,
-                        _cores(self.cores),
-                        self.slot,
-                        _cores(self.layout.serving),
-                    )
+
+@contextmanager
+def spawning(
+    layout: Layout, claim: Claim | None, one_thread_in_process: bool
+) -> Iterator[None]:
+    """Processes the calling thread starts inside run on the claimed slot's cores;
+    without a claim (every slot taken: more engines than the layout counted, as
+    when an external autoscaler adds one), on every core of the node, as if it
+    were not laid out, rather than crowding the serving cores. Processes started
+    inside that are not vLLM's join the serving cores. ``one_thread_in_process``:
+    the engine computes on its engine core's main thread alone (one OpenMP
+    thread, uni executor), so with a claim every other thread of it serves too."""
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    serving = set(layout.serving)
+    node = serving.union(*layout.slots)
+    os.sched_setaffinity(0, claim.cores if claim is not None else node)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, serving)
+        # Threads this one started inside inherited its cores: back to serving.
+        _move_threads(os.getpid(), serving, keep=set())
+        for child in me.children(recursive=True):
+            if child.pid in before:
+                continue
+            title = _title(child)
+            if not title.startswith("VLLM::"):
+                _move_threads(child.pid, serving, keep=set())
+            elif (
+                claim is not None
+                and one_thread_in_process
+                and title.startswith("VLLM::EngineCore")
+            ):
+                _move_threads(child.pid, serving, keep={child.pid})
+                logger.info(
+                    "engine core %d computes on core %s (slot %d); its other "
+                    "threads and the rest of the cluster on %s",
+                    child.pid,
+                    _cores(claim.cores),
+                    claim.slot,
+                    _cores(layout.serving),
+                )
 
 
 def _title(p: psutil.Process) -> str:

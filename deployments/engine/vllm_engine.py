@@ -135,11 +135,13 @@ class VLLMEngine:
         # vLLM's metrics under its own names, recorded in this replica's process
         # (ray_vllm_* on Ray's endpoint, with a ReplicaId tag), as Ray Serve LLM
         # records them: its Grafana dashboard joins on them.
-        cores = _claim_cores(backend)
+        layout = cpu_layout.current() if backend is not Backend.GPU else None
+        cores = _claim_cores(layout)
         e = config.engine
         spawning: Any = contextlib.nullcontext()
-        if cores is not None:
-            spawning = cores.spawning(e.omp_num_threads == 1 and e.executor == "uni")
+        if layout is not None:
+            one_thread = e.omp_num_threads == 1 and e.executor == "uni"
+            spawning = cpu_layout.spawning(layout, cores, one_thread)
         try:
             with spawning:
                 engine = AsyncLLM.from_engine_args(
@@ -453,17 +455,16 @@ class VLLMEngine:
             self.cores.release()
 
 
-def _claim_cores(backend: Backend) -> cpu_layout.Claim | None:
+def _claim_cores(layout: cpu_layout.Layout | None) -> cpu_layout.Claim | None:
     """This node's engine core slot for the engine about to start, where the
-    cluster was started with one (``engine.cpu_cores``)."""
-    layout = cpu_layout.current()
-    if layout is None or backend is Backend.GPU:
+    cluster was started with them (``engine.cpu_cores``) and one is free."""
+    if layout is None:
         return None
     claim = cpu_layout.Claim.take(layout)
     if claim is None:
         logger.warning(
             "every engine core slot of this node is taken (%s): this engine "
-            "shares the cores of the rest of the cluster",
+            "runs on any of the node's cores",
             layout.describe(),
         )
     return claim

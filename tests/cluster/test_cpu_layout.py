@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psutil
@@ -44,35 +45,31 @@ def test_layout_travels_in_the_environment() -> None:
     )
 
 
-def test_auto_reserves_only_where_a_core_is_left_over() -> None:
-    layout, why = cpu_layout.for_local_cluster(config(), [0, 1])
-    assert layout is not None and layout.slots == ((1,),) and why == ""
-    two = config(deployment={"num_replicas": 2})
-    assert cpu_layout.for_local_cluster(two, [0, 1])[0] is None
-    assert "need 2 cores of their own" in cpu_layout.for_local_cluster(two, [0, 1])[1]
-    assert cpu_layout.for_local_cluster(two, [0, 1, 2])[0] is not None
-    # The autoscaler's most replicas count: they would share the slots otherwise.
-    scaled = config(deployment={"autoscaling": {"enabled": True, "max_replicas": 3}})
-    assert "3 engines" in cpu_layout.for_local_cluster(scaled, [0, 1, 2])[1]
-    unset = config(omp_num_threads=None)
-    assert "omp_num_threads" in cpu_layout.for_local_cluster(unset, [0, 1])[1]
-    bound = config(cpu_omp_threads_bind="0-1")
-    assert "cpu_omp_threads_bind" in cpu_layout.for_local_cluster(bound, [0, 1])[1]
-    shared = config(cpu_cores="shared")
-    why = "engine.cpu_cores: shared"
-    assert cpu_layout.for_local_cluster(shared, [0, 1]) == (None, why)
-
-
-def test_reserved_says_why_it_cannot_be() -> None:
+def test_reserved_lays_out_only_with_a_core_left_for_the_rest() -> None:
+    assert cpu_layout.for_local_cluster(config(), [0, 1]) is None  # shared
+    layout = cpu_layout.for_local_cluster(config(cpu_cores="reserved"), [0, 1])
+    assert layout is not None and layout.slots == ((1,),)
+    assert layout.serving == (0,)
     two = config(cpu_cores="reserved", deployment={"num_replicas": 2})
     with pytest.raises(ValueError, match="reserved, but 2 engines of 1 thread need"):
         cpu_layout.for_local_cluster(two, [0, 1])
+    assert cpu_layout.for_local_cluster(two, [0, 1, 2]) is not None
+    # The autoscaler's most replicas count: they would share the slots otherwise.
+    scaled = config(
+        cpu_cores="reserved",
+        deployment={"autoscaling": {"enabled": True, "max_replicas": 3}},
+    )
+    with pytest.raises(ValueError, match="3 engines"):
+        cpu_layout.for_local_cluster(scaled, [0, 1, 2])
     with pytest.raises(ValueError, match=r"reserved, but engine\.omp_num_threads"):
         cpu_layout.for_local_cluster(
             config(cpu_cores="reserved", omp_num_threads=None), [0, 1]
         )
+    bound = config(cpu_cores="reserved", cpu_omp_threads_bind="0-1")
+    with pytest.raises(ValueError, match="cpu_omp_threads_bind"):
+        cpu_layout.for_local_cluster(bound, [0, 1])
     with pytest.raises(ValueError, match="cpu_cores"):
-        config(cpu_cores="pinned")
+        config(cpu_cores="auto")
 
 
 def test_each_slot_is_claimed_once_and_freed_with_its_holder() -> None:
@@ -144,10 +141,40 @@ def test_an_engine_spawned_in_its_slot_computes_there(
     claim = Claim.take(two_cores)
     assert claim is not None
     slot, serving = set(claim.cores), set(two_cores.serving)
-    children = []
     try:
-        with claim.spawning(one_thread_in_process=one_thread):
-            assert os.sched_getaffinity(0) == slot
+        with spawn(two_cores, claim, one_thread) as (engine, helper):
+            threads = _affinities(engine.pid)
+            assert threads.pop(engine.pid) == slot  # the engine core's main thread
+            assert len(threads) >= 1
+            # A process started beside the engine that is not one serves.
+            assert all(a == serving for a in _affinities(helper.pid).values())
+            if one_thread:
+                # The engine core computes on its main thread; its others serve.
+                assert all(a == serving for a in threads.values()), threads
+            else:
+                # Several OpenMP threads: the whole engine stays on its slot.
+                assert all(a == slot for a in threads.values()), threads
+    finally:
+        claim.release()
+
+
+def test_an_engine_past_the_slots_runs_anywhere(two_cores: Layout) -> None:
+    """Not crowded onto the serving cores with everything else."""
+    node, serving = set(os.sched_getaffinity(0)), set(two_cores.serving)
+    with spawn(two_cores, None, True) as (engine, helper):
+        assert all(a == node for a in _affinities(engine.pid).values())
+        assert all(a == serving for a in _affinities(helper.pid).values())
+
+
+@contextmanager
+def spawn(
+    layout: Layout, claim: Claim | None, one_thread: bool
+) -> Iterator[tuple[subprocess.Popen[str], subprocess.Popen[str]]]:
+    """An engine core (by its title) and a helper process, started inside
+    ``cpu_layout.spawning``; the spawning thread is on the serving cores after."""
+    children: list[subprocess.Popen[str]] = []
+    try:
+        with cpu_layout.spawning(layout, claim, one_thread):
             for kind in ("engine", "helper"):
                 p = subprocess.Popen(
                     [sys.executable, "-c", CHILD, kind],
@@ -156,23 +183,10 @@ def test_an_engine_spawned_in_its_slot_computes_there(
                 )
                 children.append(p)
                 assert p.stdout is not None and p.stdout.readline() == "ready\n"
-        # The spawning thread is back on the serving cores.
-        assert os.sched_getaffinity(0) == serving
-        engine, helper = children
-        threads = _affinities(engine.pid)
-        assert threads.pop(engine.pid) == slot  # the engine core's main thread
-        assert len(threads) >= 1
-        # A process started beside the engine that is not one serves.
-        assert all(a == serving for a in _affinities(helper.pid).values())
-        if one_thread:
-            # The engine core computes on its main thread; its others serve.
-            assert all(a == serving for a in threads.values()), threads
-        else:
-            # Several OpenMP threads: the whole engine stays on its slot.
-            assert all(a == slot for a in threads.values()), threads
-        assert psutil.Process(engine.pid).cmdline()[0] == "VLLM::EngineCore"
+        assert os.sched_getaffinity(0) == set(layout.serving)
+        assert psutil.Process(children[0].pid).cmdline()[0] == "VLLM::EngineCore"
+        yield children[0], children[1]
     finally:
         for p in children:
             p.kill()
             p.wait()
-        claim.release()

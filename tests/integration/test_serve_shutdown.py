@@ -3,7 +3,7 @@ stream runs: the stream runs to its end; a request sent meanwhile is refused wit
 UNAVAILABLE / 503 and a retry hint (not left hanging, not Serve's 404 of an app
 already gone) and health checks say NOT_SERVING; the command exits 0 and leaves
 none of its processes running. With one engine on the node, the engine core
-computes on a core of its own (engine.cpu_cores: auto).
+computes on a core of its own (engine.cpu_cores: reserved).
 
 Its own cluster, in a child process, beside the session's (which idles)."""
 
@@ -50,7 +50,7 @@ def _main_thread_cores(p: psutil.Process) -> set[int] | None:
 
 
 def check_core_layout(tree: list[psutil.Process], log: str) -> None:
-    """engine.cpu_cores auto with one one-thread engine: its engine core's main
+    """engine.cpu_cores reserved with one one-thread engine: its engine core's main
     thread computes on the node's last core, alone; every other process the
     command started, Ray's included, and the engine core's other threads run on
     the other cores."""
@@ -87,6 +87,8 @@ def test_stopping_serve_lets_streams_finish_and_refuses_new_ones(
         k: ENGINE[k] for k in ("attention_backend", "kv_cache_memory_bytes")
     }
     config["deployment"] |= {"num_replicas": 1, "drain_timeout_s": 60}
+    if len(os.sched_getaffinity(0)) >= 2:
+        config["engine"]["cpu_cores"] = "reserved"
     config["server"] |= {"http_port": http, "grpc_port": grpc_port}
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
