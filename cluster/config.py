@@ -138,7 +138,9 @@ class EngineConfig(_Strict):
         "nobind",
         description="vLLM CPU backend: VLLM_CPU_OMP_THREADS_BIND for each engine "
         "('nobind', 'auto', or cores such as '0-1'). 'nobind' lets the OS spread "
-        "replicas that share a node.",
+        "replicas that share a node. vLLM binds where its mp executor starts "
+        "workers: with executor uni (the CPU default) it reads none of this; "
+        "see cpu_cores.",
     )
     omp_num_threads: int | None = Field(
         None, gt=0, description="OMP_NUM_THREADS for each engine process (CPU backend)."
