@@ -17,9 +17,9 @@ spawns its engine onto it. With the one-thread, in-process engine (``executor:
 uni``), only the engine core's main thread stays there; its other threads
 (vLLM's socket I/O, gloo, the page store's committer) join the serving cores.
 
-The trade, measured on 2 cores (README): the engine computes undisturbed, and
-the rest of the cluster has one core left for bursts of its own. The default is
-``shared``.
+The trade, measured with one replica on 2 cores (README): the engine's
+throughput rises, and the rest of the cluster, left one core, answers realtime
+requests more slowly under a background flood. The default is ``shared``.
 
 Only a cluster that ``moe-cluster serve`` starts is laid out: the layout names
 the cores of the one node it starts on. Engine replicas of a cluster joined
