@@ -103,13 +103,20 @@ def plan(cores: Sequence[int], engines: int, threads: int, name: str) -> Layout:
 
 
 def engines_on_node(config: ClusterConfig) -> int:
-    """The most engine processes a cluster of ``config`` on one node runs at once:
-    replicas (or EP groups, up to the autoscaler's most) times ranks times tensor
-    parallel ranks."""
+    """The most engines a cluster of ``config`` on one node runs at once, each
+    started by a replica of its own: replicas (or EP groups, up to the
+    autoscaler's most) times EP ranks."""
     d = config.deployment
     replicas = max(d.num_replicas, d.autoscaling.max_replicas * d.autoscaling.enabled)
     ranks = config.expert_parallel.ranks if config.expert_parallel.enabled else 1
-    return replicas * ranks * config.engine.tensor_parallel_size
+    return replicas * ranks
+
+
+def cores_per_engine(config: ClusterConfig) -> int:
+    """One engine's compute threads: its OpenMP threads in each tensor-parallel
+    rank (the ranks' worker processes share their engine's slot)."""
+    assert config.engine.omp_num_threads is not None
+    return config.engine.omp_num_threads * config.engine.tensor_parallel_size
 
 
 def for_local_cluster(
@@ -130,11 +137,10 @@ def for_local_cluster(
         why = f"engine.cpu_omp_threads_bind is {e.cpu_omp_threads_bind!r}"
     if why:
         raise ValueError(f"engine.cpu_cores: reserved, but {why}")
-    assert e.omp_num_threads is not None
     available = sorted(cores if cores is not None else os.sched_getaffinity(0))
     name = f"{os.getpid()}-{time.time_ns()}"
     try:
-        return plan(available, engines_on_node(config), e.omp_num_threads, name)
+        return plan(available, engines_on_node(config), cores_per_engine(config), name)
     except ValueError as err:
         raise ValueError(f"engine.cpu_cores: reserved, but {err}") from None
 

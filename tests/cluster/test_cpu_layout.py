@@ -61,6 +61,10 @@ def test_reserved_lays_out_only_with_a_core_left_for_the_rest() -> None:
     )
     with pytest.raises(ValueError, match="3 engines"):
         cpu_layout.for_local_cluster(scaled, [0, 1, 2])
+    # Tensor-parallel ranks are one engine's processes: one slot, their cores.
+    tp = config(cpu_cores="reserved", omp_num_threads=2, tensor_parallel_size=2)
+    layout = cpu_layout.for_local_cluster(tp, range(6))
+    assert layout is not None and layout.slots == ((2, 3, 4, 5),)
     with pytest.raises(ValueError, match=r"reserved, but engine\.omp_num_threads"):
         cpu_layout.for_local_cluster(
             config(cpu_cores="reserved", omp_num_threads=None), [0, 1]
