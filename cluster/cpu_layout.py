@@ -107,7 +107,9 @@ def engines_on_node(config: ClusterConfig) -> int:
     started by a replica of its own: replicas (or EP groups, up to the
     autoscaler's most) times EP ranks."""
     d = config.deployment
-    replicas = max(d.num_replicas, d.autoscaling.max_replicas * d.autoscaling.enabled)
+    replicas = d.num_replicas
+    if d.autoscaling.enabled:
+        replicas = max(replicas, d.autoscaling.max_replicas)
     ranks = config.expert_parallel.ranks if config.expert_parallel.enabled else 1
     return replicas * ranks
 
