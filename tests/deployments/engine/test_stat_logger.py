@@ -140,7 +140,8 @@ def test_every_series_ends_where_vllms_does_in_fewer_calls(
     assert {"Gauge", "Counter", "Histogram"} <= set(series(ours))
     gauge_calls = Counter(kind for kind, *_ in ours)["Gauge"]
     their_gauge_calls = Counter(kind for kind, *_ in theirs)["Gauge"]
-    # Eight gauges in 40 steps: their first values, then only the changes.
+    # vLLM sets all eight gauges on each of the 40 steps; ours, their first
+    # values and then only the changes.
     assert their_gauge_calls == 8 * 40
     assert gauge_calls < their_gauge_calls / 5
     assert len(ours) < len(theirs) / 2
