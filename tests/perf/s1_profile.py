@@ -9,7 +9,9 @@ Starts one system as ``make bench-peers`` does (one replica, one core), runs S1
 prompt new to the server, so no prefix cache answers any of it), and
 meanwhile samples every process the system started: CPU seconds per process
 (grouped by its title: the Serve proxy, the ingress and engine replicas, vLLM's
-EngineCore, the router, Ray's own daemons) per request served. With ``--pyspy``
+EngineCore, the router, Ray's own daemons) per request served, and how long
+vLLM's engine core waited, runnable, for a core (what sharing the node's cores
+with the rest costs the engine's steps). With ``--pyspy``
 it also records each of the busiest processes with py-spy for that long, at
 ``--pyspy-concurrency`` streams (one by default), and prints the frames that
 hold most samples (self and inclusive). With ``--idle`` it first measures the
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import json
 import subprocess
 import sys
@@ -70,6 +73,19 @@ def cpu(procs: list[psutil.Process]) -> dict[int, tuple[str, float]]:
             out[p.pid] = (title(p), t.user + t.system)
         except psutil.Error:
             pass
+    return out
+
+
+def cpu_waits(procs: list[psutil.Process]) -> dict[int, tuple[str, float]]:
+    """Seconds each process's main thread has waited, runnable, for a core (the
+    kernel's ``run_delay``, ``/proc/PID/task/PID/schedstat``): what sharing the
+    node's cores costs it. vLLM's engine core steps the model on its main thread
+    (one OpenMP thread, the uni executor)."""
+    out = {}
+    for p in procs:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            stat = Path(f"/proc/{p.pid}/task/{p.pid}/schedstat").read_text()
+            out[p.pid] = (title(p), int(stat.split()[1]) / 1e9)
     return out
 
 
@@ -229,11 +245,12 @@ def main() -> None:
                 for frame, k in incl:
                     print(f"    {100 * k / samples:5.1f}%  {frame}")
         for c in (1, 4):
-            before = cpu(procs)
+            before, waits_before = cpu(procs), cpu_waits(procs)
             t0 = time.monotonic()
             s = asyncio.run(run(args.grpc, c, args.requests))
             wall = time.monotonic() - t0
             used = by_title(before, cpu(procs))
+            waited = by_title(waits_before, cpu_waits(procs))
             out[f"c{c}"] = {
                 "output_tok_s": s["output_tok_s"],
                 "ttft_p50_ms": s["ttft_ms"]["p50"],
@@ -241,6 +258,11 @@ def main() -> None:
                 "errors": s["errors"],
                 "cpu_s_per_request": {
                     k: round(v / args.requests, 4) for k, v in used.items() if v > 0.05
+                },
+                "cpu_wait_s_per_request": {
+                    k: round(v / args.requests, 4)
+                    for k, v in waited.items()
+                    if v > 0.005
                 },
                 "wall_s": round(wall, 1),
             }
@@ -251,6 +273,12 @@ def main() -> None:
                 flush=True,
             )
             print_cpu(used, args.requests, "req", floor=0.05)
+            engine = sum(v for k, v in waited.items() if "EngineCore" in k)
+            print(
+                f"    the engine core's main thread waited for a core "
+                f"{1000 * engine / args.requests:.1f} ms/req",
+                flush=True,
+            )
     finally:
         server.stop()
     RESULTS.mkdir(exist_ok=True)
