@@ -173,7 +173,7 @@ def test_a_per_tensor_fp8_checkpoint_is_refused_before_deploying(
 
 
 def test_haproxy_is_serves_environment_and_refuses_tls(tmp_path: Path) -> None:
-    assert ClusterConfig().server.serve_env() == {}
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in ClusterConfig().server.serve_env()
     on = ClusterConfig.model_validate({"server": {"haproxy": True}})
     assert on.server.serve_env()["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
@@ -204,3 +204,29 @@ def test_haproxy_lets_a_connection_hold_as_many_streams_as_an_ingress_takes() ->
     ).stdout.split()
     assert out == [str(INGRESS_MAX_ONGOING_REQUESTS)] * 2
     assert ingress_options(config)["max_ongoing_requests"] == int(out[0])
+
+
+def test_serves_control_loop_and_metrics_export_reach_serve() -> None:
+    # Serve's controller reconciles every 0.1 s and its replicas export metrics
+    # every 0.1 s by default: CPU an idle node pays. Ray Serve must read the
+    # settings under the names given, with or without HAProxy.
+    for haproxy in (False, True):
+        server = {"serve_control_loop_s": 0.75, "serve_metrics_export_ms": 2500}
+        config = ClusterConfig.model_validate({"server": server | {"haproxy": haproxy}})
+        code = (
+            "from ray.serve._private import constants as c; "
+            "print(c.CONTROL_LOOP_INTERVAL_S, c.RAY_SERVE_METRICS_EXPORT_INTERVAL_MS)"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, **config.server.serve_env()},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert out.stdout.split() == ["0.75", "2500"]
+    defaults = ClusterConfig().server.serve_env()
+    assert defaults["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.5"
+    assert defaults["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"] == "1000"
+    with pytest.raises(ValidationError, match="serve_control_loop_s"):
+        ClusterConfig.model_validate({"server": {"serve_control_loop_s": 0}})

@@ -180,3 +180,6 @@ def test_haproxy_reaches_every_pods_environment() -> None:
             [c] = group["template"]["spec"]["containers"]
             env = {e["name"]: e.get("value") for e in c.get("env", [])}
             assert (env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1") is haproxy
+            # Serve's controller pace and metrics export, with or without it.
+            assert env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.5"
+            assert env["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"] == "1000"

@@ -183,6 +183,7 @@ def served(tiny_model: Path) -> Iterator[Served]:
         }
     )
     tracing.apply_serve_env(tracing.settings())
+    os.environ.update(config.server.serve_env())  # as `moe-cluster serve` does
     # A new local cluster, whatever a killed run left in Ray's temp directory.
     # 4 logical CPUs on 2 cores: another app's engines (test_backends.py) run
     # beside the session's, which idle meanwhile.
