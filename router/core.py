@@ -19,7 +19,13 @@ from kvstore.directory import Entry
 from kvstore.node_store import Changes
 from router.admission import ClassQueues, Ewma, RateMeter, Waiting
 from router.autoscaling import CLASSES, LoadSignals
-from router.breakers import OPEN, ExpertBreakers, GroupExpertBreaker, ReplicaBreaker
+from router.breakers import (
+    CLOSED,
+    OPEN,
+    ExpertBreakers,
+    GroupExpertBreaker,
+    ReplicaBreaker,
+)
 from router.policies import (
     ExpertAware,
     LeastLoaded,
@@ -471,6 +477,17 @@ class RouterCore:
     def in_flight(self) -> int:
         """Requests dispatched and not yet released, on every replica."""
         return sum(len(r.leases) for r in self.replicas.values())
+
+    def idle(self) -> bool:
+        """Nothing queued, nothing in flight, no breaker open: nothing ``tick``
+        does can change an outcome before the next request or report, except
+        dropping a silent replica (``replica_stale_s``, seconds)."""
+        return (
+            not self.queues
+            and self.in_flight() == 0
+            and not (self.expert_breakers and self.expert_breakers.hot())
+            and all(b.state == CLOSED for b in self.group_breakers.values())
+        )
 
     def tick(self) -> list[tuple[Waiting, Shed]]:
         """Drops silent replicas and sheds queued requests that can no longer meet

@@ -41,11 +41,16 @@ class RouterService:
         core: RouterCore,
         *,
         tick_s: float = 0.05,
+        idle_tick_s: float = 0.5,
         on_transition: Callable[[Transition], None] | None = None,
         on_decision: Callable[[float], None] | None = None,
     ) -> None:
         self.core = core
-        self._tick_s = tick_s
+        self._tick_s, self._idle_tick_s = tick_s, idle_tick_s
+        # Set by a request that arrives while the ticker waits its idle interval:
+        # its deadline and the breakers it moves are ticked on time again.
+        self._wake = asyncio.Event()
+        self._ticker_idle = False
         self._futures: dict[int, asyncio.Future[RouteDecision]] = {}
         self._on_transition = on_transition
         self._on_decision = on_decision
@@ -72,6 +77,9 @@ class RouterService:
     async def admit(self, ticket: Ticket) -> RouteDecision:
         """Waits for ``ticket``'s dispatch; raises ``Shed`` when it is refused."""
         t0 = time.perf_counter()
+        if self._ticker_idle:
+            self._ticker_idle = False
+            self._wake.set()
         submitted = self.core.submit(ticket)
         # Others it dispatched on the way are delivered even if it was shed.
         self._deliver(list(submitted.dispatched))
@@ -167,7 +175,14 @@ class RouterService:
         async def step() -> None:
             self.tick()
 
-        await every(self._tick_s, step, what="router tick", logger=logger)
+        def interval() -> float:
+            # Idle (nothing queued or in flight, no breaker open), a tick only
+            # drops silent replicas: the ticker waits longer, until a request
+            # arrives (``admit`` wakes it).
+            self._ticker_idle = self.core.idle()
+            return self._idle_tick_s if self._ticker_idle else self._tick_s
+
+        await every(interval, step, what="router tick", logger=logger, wake=self._wake)
 
     def _deliver(self, dispatched: list[tuple[Waiting, RouteDecision]]) -> None:
         for waiting, decision in dispatched:

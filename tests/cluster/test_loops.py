@@ -40,3 +40,39 @@ async def test_cancelling_stops_it_between_steps() -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_an_interval_function_and_a_wake_event() -> None:
+    calls: list[float] = []
+    waits = iter([0.01, 0.01, 3600.0])  # then it waits for the event
+    wake = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    async def step() -> None:
+        calls.append(loop.time())
+
+    task = asyncio.create_task(
+        every(
+            lambda: next(waits, 3600.0),
+            step,
+            what="x",
+            logger=logging.getLogger("t"),
+            first_after=0,
+            wake=wake,
+        )
+    )
+    try:
+        while len(calls) < 3:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)
+        assert len(calls) == 3  # waiting its long interval
+        woken = loop.time()
+        wake.set()
+        while len(calls) < 4:
+            await asyncio.sleep(0.005)
+        assert calls[3] - woken < 0.5
+        assert not wake.is_set()  # cleared for the next wait
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task

@@ -111,3 +111,64 @@ async def test_replicas_dropped_for_silence_are_told_to_whoever_follows() -> Non
     assert await svc.lost_replicas(1, 0) == (2, ["b"])
     # A since this service never gave (its router restarted): start over.
     assert await svc.lost_replicas(7, 0) == (2, [])
+
+
+async def test_an_idle_router_ticks_slowly_and_a_request_wakes_it() -> None:
+    # Idle (nothing queued or in flight), the ticker waits idle_tick_s; the
+    # request that arrives meanwhile and queues is shed on time all the same.
+    clock, transitions = Clock(), []
+    cfg = RouterConfig(max_running_per_replica=1, realtime_reserved_slots=0)
+    svc = RouterService(
+        RouterCore(CoreSettings.of(cfg), clock=clock),
+        tick_s=0.01,
+        idle_tick_s=3600,
+        on_transition=transitions.append,
+    )
+    svc.report(ReplicaReport(ReplicaId("a")))
+    ticks = 0
+    tick = svc.tick
+
+    def counted() -> None:
+        nonlocal ticks
+        ticks += 1
+        tick()
+
+    svc.tick = counted  # type: ignore[method-assign]
+    svc.start()
+    try:
+        await asyncio.sleep(0.1)
+        assert svc.core.idle() and ticks == 0  # ten busy ticks' worth, none run
+        await svc.admit(Ticket("1", QoS.NORMAL, 4, 4))
+        waiting = asyncio.create_task(
+            svc.admit(Ticket("2", QoS.REALTIME, 4, 4, deadline_s=0.5))
+        )
+        await asyncio.sleep(0.05)
+        busy_ticks = ticks
+        assert busy_ticks >= 2  # woken by the first request, busy since
+        clock.advance(0.5)
+        with pytest.raises(Shed, match="can no longer be met"):
+            await asyncio.wait_for(waiting, 1)
+        svc.release(Release("1", Outcome.OK, ReplicaId("a"), 0.01))
+        await asyncio.sleep(0.05)
+        assert svc.core.idle()
+        settled = ticks
+        await asyncio.sleep(0.1)
+        assert ticks <= settled + 1  # idle again: at most the tick under way
+    finally:
+        await svc.stop()
+
+
+def test_idle_means_nothing_queued_in_flight_or_open() -> None:
+    cfg = RouterConfig(max_running_per_replica=1, realtime_reserved_slots=0)
+    core = RouterCore(CoreSettings.of(cfg), clock=Clock())
+    assert core.idle()
+    core.report(ReplicaReport(ReplicaId("a")))
+    assert core.idle()
+    core.submit(Ticket("1", QoS.NORMAL, 4, 4))
+    assert not core.idle()  # in flight
+    core.submit(Ticket("2", QoS.NORMAL, 4, 4))
+    core.release(Release("1", Outcome.OK, ReplicaId("a"), 0.01))
+    core.pump()
+    assert not core.idle()  # "2" runs now
+    core.release(Release("2", Outcome.OK, ReplicaId("a"), 0.01))
+    assert core.idle()
