@@ -33,6 +33,9 @@ def singleton_options(name: str, **extra: Any) -> dict[str, Any]:
         # Not in the caller's placement group (an EP group's gang): it would die
         # with the group and could not be restarted.
         "scheduling_strategy": "DEFAULT",
+        # Every call (reports, releases, syncs) would be a task event sent on to
+        # the GCS: as for Serve's own actors, none.
+        "enable_task_events": False,
     } | extra
 
 

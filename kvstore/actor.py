@@ -4,10 +4,11 @@
   engine replicas that wrote them. It owns the node's shared-memory arena and serves
   the engines on the node over a Unix socket (``rpc``). Every ``sync_interval_s`` it
   publishes its page changes and hot prefixes to the directory and mirrors the
-  directory back. On a local miss that another node can serve, it fetches the pages
-  from that node's store (through Ray's object store: one copy out of the remote
-  arena, zero-copy into this process, one copy into the local arena) while the
-  engine's request waits a step or two.
+  directory back (with nothing to publish, every ``IDLE_SYNC_EVERY`` intervals).
+  On a local miss that another node can serve, it fetches the pages from that
+  node's store (through Ray's object store: one copy out of the remote arena,
+  zero-copy into this process, one copy into the local arena) while the engine's
+  request waits a step or two.
 - ``KVDirectoryActor``: one per application, soft state; after a restart the stores'
   next syncs rebuild it.
 """
@@ -51,6 +52,10 @@ def socket_path(app: str, node_id: NodeId) -> str:
 
 
 ARENA_PREFIX = "moe-kv-"  # every store's arena, whatever its app and node
+# A store with nothing new to publish syncs every this many sync intervals (to
+# mirror the other nodes' pages), not every one: each sync wakes it and the
+# directory, and an idle node's CPU is its engines'.
+IDLE_SYNC_EVERY = 4
 
 
 def arena_prefix(app: str, node_id: NodeId) -> str:
@@ -124,6 +129,8 @@ class NodeStoreActor:
         self.mirror = Directory()  # the cluster's directory as last synced
         self._mirror_from = ("", -1)  # directory incarnation, seq
         self._published = -1  # this store's log, as far as the directory has it
+        self._hot_sent: list[tuple[HotKey, int]] = []  # hot prefixes last published
+        self._quiet_steps = 0  # sync intervals passed without a sync
         self._syncing = asyncio.Lock()
         self.server = StoreServer(
             self.store,
@@ -152,6 +159,10 @@ class NodeStoreActor:
     async def _sync_loop(self) -> None:
         async def step() -> None:
             self._metrics.update(self.store.summary())
+            self._quiet_steps += 1
+            if self._quiet_steps < IDLE_SYNC_EVERY and not self._news():
+                return
+            self._quiet_steps = 0
             await self.sync()  # fails while the directory restarts: next time
 
         await every(
@@ -161,6 +172,17 @@ class NodeStoreActor:
             logger=logger,
             first_after=0,
         )
+
+    def _news(self) -> bool:
+        """Whether the directory lacks something of this store's: a page change
+        or a change in its hot prefixes (or it was never synced)."""
+        if self._directory is None:
+            return True
+        if self.store.index is None:
+            return False
+        if self.store.log.seq != self._published:
+            return True
+        return self.store.hot.top(32) != self._hot_sent
 
     async def sync(self) -> None:
         """Publishes this node's changes and mirrors the directory: one call to
@@ -173,14 +195,16 @@ class NodeStoreActor:
                 since = self._published
                 index = self.store.index is not None
                 changes = self.store.changes(since) if index else None
+                hot = self.store.hot.top(32) if index else []
                 cursor, inc, log = await self._directory.sync.remote(
                     self.node_id,
                     self.incarnation,
                     since,
                     changes,
-                    self.store.hot.top(32) if index else [],
+                    hot,
                     *self._mirror_from,
                 )
+                self._hot_sent = hot
                 self.mirror.follow(log)
                 self._mirror_from = (inc, log.seq)
                 self._published = cursor
@@ -276,6 +300,11 @@ class NodeStoreActor:
 
     def export(self, hashes: list[BlockHash]) -> tuple[list[BlockHash], np.ndarray]:
         return self.store.export(hashes)
+
+    async def until_gone(self) -> None:
+        """Never answers: whoever watches this store learns of its death from the
+        error Ray raises for the pending call, without asking again and again."""
+        await asyncio.get_running_loop().create_future()
 
     def summary(self) -> dict[str, Any]:
         arena = self.store.arena.name if self.store.arena is not None else ""
@@ -400,6 +429,7 @@ def get_or_create_store(app: str, node_id: NodeId, config: KVStoreConfig) -> Any
             lifetime="detached",
             num_cpus=0,
             max_concurrency=1000,
+            enable_task_events=False,  # as the singletons (cluster.actors)
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         )
         .remote(app, node_id, config)

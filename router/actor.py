@@ -279,14 +279,17 @@ class DeepSeekRouter:
     async def _follow_stores(self, app: str) -> None:
         """Reads the kvstore directory's change log, as the stores' mirrors do:
         one copy of every node's pages for the whole cluster, however many
-        replicas share a node."""
+        replicas share a node. Every report interval while requests run or the
+        log moves; idle, every ``IDLE_SYNC_EVERY`` of them, as an idle store
+        publishes."""
         from kvstore import actor as kv_actor
 
         cursor = ("", -1)  # the directory's incarnation, and its seq read up to
         directory: Any = None
+        moved = True  # whether the last read brought changes
 
         async def step() -> None:
-            nonlocal cursor, directory
+            nonlocal cursor, directory, moved
             try:
                 if directory is None:
                     name = kv_actor.directory_name(app)
@@ -298,10 +301,16 @@ class DeepSeekRouter:
                 cursor, directory = ("", -1), None
                 raise
             self._service.follow_stores(changes)
+            moved = changes.full or bool(changes.added or changes.removed)
             cursor = (incarnation, changes.seq)
 
+        def interval() -> float:
+            quiet = not moved and self._service.core.idle()
+            slower = kv_actor.IDLE_SYNC_EVERY if quiet else 1
+            return self._config.report_interval_s * slower
+
         await every(
-            self._config.report_interval_s,
+            interval,
             step,
             what="following the kvstore directory",
             logger=logger,

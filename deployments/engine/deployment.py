@@ -133,6 +133,8 @@ class EngineServer:
                     follow_stores=config.kvstore.enabled,
                 ),
                 interval_s=config.router.report_interval_s,
+                # Three idle heartbeats before the router drops it for silence.
+                heartbeat_s=config.router.replica_stale_s / 3,
                 on_draining=self._draining,
             )
             self._reporter = reporter
@@ -317,14 +319,15 @@ async def _node_store(config: ClusterConfig) -> tuple[Any, str]:
 async def _watch_store(config: ClusterConfig, store: Any) -> None:
     """Starts a new store on the node when this one died: the engines' connectors
     re-attach to its arena. (What the store holds reaches the router through the
-    kvstore directory, not through this replica.)"""
+    kvstore directory, not through this replica.) One call that only the store's
+    death answers watches it, not a poll: an idle node's processes stay asleep."""
 
     async def step() -> None:
         nonlocal store
         try:
             if store is None:
                 store, _ = await _node_store(config)
-            await store.summary.remote()
+            await store.until_gone.remote()
         except Exception:
             store = None  # start another next time
             raise

@@ -102,3 +102,47 @@ async def test_a_store_publishes_its_pages_and_mirrors_the_directory() -> None:
         assert store.summary()["pages"] == 2
     finally:
         await store.shutdown()
+
+
+async def test_a_store_with_nothing_to_publish_syncs_less_often() -> None:
+    app = f"unit-{uuid.uuid4().hex[:8]}"
+    directory = kv_actor.KVDirectoryActor()
+    config = KVStoreConfig(capacity_bytes=8 * PAGE, sync_interval_s=0.02)
+    store = kv_actor.NodeStoreActor(app, "node-a", config)
+    remote = Remote(directory)
+    store._directory = remote
+    hashes = list(block_hashes(list(range(16)), 16))
+    try:
+        socket = await store.start()
+        await asyncio.sleep(0.2)  # 10 intervals; no engine has opened the arena
+        assert 1 <= remote.calls <= 10 // kv_actor.IDLE_SYNC_EVERY + 1  # mirroring
+        # An engine's connector, on its own thread: it opens the arena...
+        client = StoreClient(socket)
+        info = await asyncio.to_thread(client.open, PAGE, "layout")
+        arena = Arena.attach(info.name, info.num_pages, info.page_bytes)
+        opened_at = remote.calls
+        await until(lambda: remote.calls > opened_at)  # its (empty) log is news
+        calls = remote.calls
+        await asyncio.sleep(0.4)  # 20 intervals, nothing new
+        quiet = remote.calls - calls
+        assert 1 <= quiet <= 2 * 20 // kv_actor.IDLE_SYNC_EVERY
+
+        def save() -> None:  # ...and saves a page
+            [slot] = client.reserve(hashes).slots
+            assert slot is not None
+            client.commit([Written(slot, arena.write(slot, np.ones(PAGE, np.uint8)))])
+
+        await asyncio.to_thread(save)
+        await until(lambda: directory.summary() == {"node-a": 1})  # published
+        client.close()
+        arena.close()
+    finally:
+        await store.shutdown()
+
+
+async def until(done: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if done():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("timed out")

@@ -17,7 +17,13 @@ from deployments.engine.kv_events import (
 from deployments.engine.reporter import Reporter
 from kvstore.block_hash import block_hashes
 from router.prefix import PrefixDirectory
-from router.types import KVEvent, ReplicaId, ReplicaReport, ReportAck
+from router.types import (
+    KVEvent,
+    ReplicaId,
+    ReplicaReport,
+    ReportAck,
+    RequestProgress,
+)
 
 H = block_hashes(list(range(64)), 16)  # 4 chained block hashes
 PROBE = block_hashes(list(range(100, 116)), 16)[0]
@@ -184,6 +190,47 @@ async def test_reporter_says_when_the_router_has_the_replica_draining() -> None:
         n = len(router.reports)
         await reports(n + 2)
         assert told == [True, False]
+    finally:
+        task.cancel()
+
+
+async def test_an_idle_replica_reports_only_its_heartbeat() -> None:
+    router = FakeRouter()
+    running: tuple[RequestProgress, ...] = ()
+    events: list[KVEvent] = []
+
+    def kv(full: bool) -> tuple[KVEvent, ...]:
+        out, events[:] = tuple(events), []
+        return out
+
+    reporter = Reporter(
+        "r1",
+        progress=lambda: running,
+        tokens_generated=lambda: 0,
+        kv_events=kv,
+        connect=lambda: router,
+        interval_s=0.01,
+        heartbeat_s=0.2,
+    )
+    task = asyncio.create_task(reporter.run())
+    try:
+        await router.reports_reach(1)
+        await asyncio.sleep(0.3)
+        idle = len(router.reports)
+        assert 2 <= idle <= 4  # the first contact and heartbeats, not ~30
+        running = (RequestProgress("q", 8, 1, 16),)
+        await asyncio.sleep(0.1)
+        busy = len(router.reports) - idle
+        assert busy >= 5  # every interval while a request runs
+        running = ()
+        await asyncio.sleep(0.05)
+        after = len(router.reports)
+        assert router.reports[-1].requests == ()  # its end is reported at once
+        events.append(KVEvent("cleared"))  # the engine's cache changed: at once
+        await router.reports_reach(after + 1)
+        assert router.reports[after].kv_events == (KVEvent("cleared"),)
+        await asyncio.sleep(0.1)
+        assert len(router.reports) <= after + 2
     finally:
         task.cancel()
 
