@@ -104,9 +104,9 @@ class Reporter:
                 ready=self._ready,
             )
             beat = self._heartbeat_s
-            if beat is not None and now - sent_at < beat and not full:
-                if _idle_as(report, sent):
-                    continue
+            recent = beat is not None and now - sent_at < beat
+            if recent and not full and _idle_as(report, sent):
+                continue
             try:
                 if self._handle is None:
                     self._handle = await asyncio.to_thread(self._connect)
