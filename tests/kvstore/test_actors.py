@@ -38,13 +38,22 @@ class Remote:
         return type("Method", (), {"remote": staticmethod(call)})
 
 
-async def test_a_store_publishes_its_pages_and_mirrors_the_directory() -> None:
+def _store(
+    sync_interval_s: float,
+) -> tuple[kv_actor.NodeStoreActor, kv_actor.KVDirectoryActor, Remote]:
+    """A node store of a new app, syncing with a directory through ``Remote``
+    (what ``kv_actor.directory(app)`` returns), which counts the calls."""
     app = f"unit-{uuid.uuid4().hex[:8]}"
     directory = kv_actor.KVDirectoryActor()
-    config = KVStoreConfig(capacity_bytes=8 * PAGE, sync_interval_s=3600)
+    config = KVStoreConfig(capacity_bytes=8 * PAGE, sync_interval_s=sync_interval_s)
     store = kv_actor.NodeStoreActor(app, "node-a", config)
     remote = Remote(directory)
-    store._directory = remote  # what kv_actor.directory(app) returns
+    store._directory = remote
+    return store, directory, remote
+
+
+async def test_a_store_publishes_its_pages_and_mirrors_the_directory() -> None:
+    store, directory, remote = _store(sync_interval_s=3600)
     try:
         socket = await store.start()
         hashes = list(block_hashes(list(range(3 * 16)), 16))
@@ -105,12 +114,7 @@ async def test_a_store_publishes_its_pages_and_mirrors_the_directory() -> None:
 
 
 async def test_a_store_with_nothing_to_publish_syncs_less_often() -> None:
-    app = f"unit-{uuid.uuid4().hex[:8]}"
-    directory = kv_actor.KVDirectoryActor()
-    config = KVStoreConfig(capacity_bytes=8 * PAGE, sync_interval_s=0.02)
-    store = kv_actor.NodeStoreActor(app, "node-a", config)
-    remote = Remote(directory)
-    store._directory = remote
+    store, directory, remote = _store(sync_interval_s=0.02)
     hashes = list(block_hashes(list(range(16)), 16))
     try:
         socket = await store.start()
