@@ -16,6 +16,7 @@ from kvstore import actor as kv_actor
 from kvstore.arena import Arena
 from kvstore.block_hash import block_hashes
 from kvstore.rpc import StoreClient, Written
+from tests.waiting import until
 
 PAGE = 256
 
@@ -125,7 +126,7 @@ async def test_a_store_with_nothing_to_publish_syncs_less_often() -> None:
         info = await asyncio.to_thread(client.open, PAGE, "layout")
         arena = Arena.attach(info.name, info.num_pages, info.page_bytes)
         opened_at = remote.calls
-        await until(lambda: remote.calls > opened_at)  # its (empty) log is news
+        await until(lambda: remote.calls > opened_at, "the open arena published")
         calls = remote.calls
         await asyncio.sleep(0.4)  # 20 intervals, nothing new
         quiet = remote.calls - calls
@@ -137,16 +138,8 @@ async def test_a_store_with_nothing_to_publish_syncs_less_often() -> None:
             client.commit([Written(slot, arena.write(slot, np.ones(PAGE, np.uint8)))])
 
         await asyncio.to_thread(save)
-        await until(lambda: directory.summary() == {"node-a": 1})  # published
+        await until(lambda: directory.summary() == {"node-a": 1}, "the page published")
         client.close()
         arena.close()
     finally:
         await store.shutdown()
-
-
-async def until(done: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    for _ in range(int(timeout_s / 0.01)):
-        if done():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("timed out")
