@@ -45,6 +45,7 @@ from router.wire import AdmissionServer
 logger = logging.getLogger("moe_cluster.router")
 METRICS_INTERVAL_S = 1.0  # gauges from a snapshot this often
 LOST_POLL_MAX_S = 30.0  # longest an ingress's lost_replicas call waits
+NEWS_POLL_MAX_S = 30.0  # longest an engine replica's news call waits
 
 
 def actor_name(app_name: str) -> str:
@@ -196,6 +197,27 @@ class DeepSeekRouter:
         self._start()
         draining = self._service.report(report)
         return ReportAck(self.incarnation, draining, self._service.load())
+
+    async def news(
+        self, replica_id: ReplicaId, incarnation: str, draining: bool, wait_s: float
+    ) -> tuple[str, bool]:
+        """An engine replica's long poll (at most ``wait_s``, capped at
+        ``NEWS_POLL_MAX_S``) for what it must report at once rather than at its
+        next heartbeat: that this router is not the ``incarnation`` the replica
+        last reported to, or that Serve started or stopped draining it. Answers
+        this router's incarnation and whether the replica drains.
+
+        A call pending when the router dies is retried by Ray on the restarted
+        one, which answers at once: its new incarnation is the news."""
+        self._start()
+        if incarnation == self.incarnation:
+            wait_s = min(wait_s, NEWS_POLL_MAX_S)
+            draining = await self._service.draining_changes(
+                replica_id, draining, wait_s
+            )
+        else:
+            draining = self._service.draining(replica_id)
+        return self.incarnation, draining
 
     async def serving_changed(
         self, added: list[ReplicaId], removed: list[ReplicaId]

@@ -62,6 +62,8 @@ class RouterService:
         self.lost_epoch = 0
         self._lost: deque[tuple[int, ReplicaId]] = deque(maxlen=LOST_MEMORY)
         self._lost_wakeup: asyncio.Future[None] | None = None
+        # Wakes the replicas' ``draining_changes`` polls when Serve's set changes.
+        self._serving_wakeup: asyncio.Future[None] | None = None
 
     def start(self) -> None:
         if self._ticker is None:
@@ -138,6 +140,31 @@ class RouterService:
         """Serve's running replicas changed (see ``RouterCore.serving_changed``)."""
         self.core.serving_changed(added, removed)
         self.pump()
+        wakeup, self._serving_wakeup = self._serving_wakeup, None
+        if wakeup is not None and not wakeup.done():
+            wakeup.set_result(None)
+
+    def draining(self, rid: ReplicaId) -> bool:
+        """Whether Serve is stopping replica ``rid`` (what its report's answer says)."""
+        return rid in self.core.retired
+
+    async def draining_changes(
+        self, rid: ReplicaId, draining: bool, wait_s: float
+    ) -> bool:
+        """Waits up to ``wait_s`` for Serve to start stopping replica ``rid`` (or
+        to keep it after all) while ``draining`` says the replica believes
+        otherwise; returns whether it drains now."""
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while self.draining(rid) == draining:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                break
+            if self._serving_wakeup is None:
+                self._serving_wakeup = asyncio.get_running_loop().create_future()
+            with contextlib.suppress(TimeoutError):
+                # Shielded: one caller's time-out must not wake the others.
+                await asyncio.wait_for(asyncio.shield(self._serving_wakeup), left)
+        return self.draining(rid)
 
     def follow_stores(self, changes: Changes[Entry]) -> None:
         """What each node's page store holds changed (the kvstore directory's

@@ -6,11 +6,17 @@ anything runs or changes, and at least every ``heartbeat_s`` while the replica
 idles: a report that would say exactly what the last one said, of a replica
 with nothing running, waits (every report wakes the replica and the router, and
 on a small node that is CPU the engines lose).
+
+What cannot wait for a heartbeat comes through one call held at the router
+(``DeepSeekRouter.news``): a restarted router, which knows none of the replica's
+state, and Serve starting or ceasing to stop the replica. Its answer sends the
+next report at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +33,7 @@ from router.types import (
 
 logger = logging.getLogger("moe_cluster.engine")
 RATE_SMOOTHING = 0.3
+NEWS_WAIT_S = 30.0  # one news call's wait at the router before it is asked again
 
 
 class Reporter:
@@ -70,6 +77,11 @@ class Reporter:
         self._ready = False
         # The router's view of the load in its last answer (for the autoscaler).
         self.load: dict[str, float] = {}
+        # The news call pending at the router, and what it was asked against.
+        self._news: asyncio.Task[None] | None = None
+        self._news_of: tuple[Any, str | None, bool] | None = None
+        self._wake = asyncio.Event()  # the news came: report now
+        self._force = False  # the next report goes out, even if idle as the last
 
     def started(self) -> None:
         """The replica is ready for work: from the next report the router may
@@ -77,6 +89,13 @@ class Reporter:
         self._ready = True
 
     async def run(self) -> None:
+        try:
+            await self._report()
+        finally:
+            if self._news is not None:
+                self._news.cancel()
+
+    async def _report(self) -> None:
         import ray.exceptions
 
         loop = asyncio.get_running_loop()
@@ -84,7 +103,9 @@ class Reporter:
         sent: ReplicaReport | None = None  # the last report the router took
         sent_at = 0.0
         while True:
-            await asyncio.sleep(self._interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._interval_s)
+            self._wake.clear()
             now, tokens = loop.time(), self._tokens()
             running = self._progress()
             if running and tokens > last_tokens:
@@ -105,7 +126,8 @@ class Reporter:
             )
             beat = self._heartbeat_s
             recent = beat is not None and now - sent_at < beat
-            if recent and not full and _idle_as(report, sent):
+            forced, self._force = self._force, False
+            if recent and not full and not forced and _idle_as(report, sent):
                 continue
             try:
                 if self._handle is None:
@@ -129,6 +151,36 @@ class Reporter:
             if ack.draining != self._draining:
                 self._draining = ack.draining
                 self._on_draining(ack.draining)
+            self._follow_news()
+
+    def _follow_news(self) -> None:
+        """Keeps one ``news`` call pending at the router, asked against what
+        this replica last heard from it."""
+        heard = (self._handle, self._router_incarnation, self._draining)
+        if self._news is not None and not self._news.done():
+            if self._news_of == heard:
+                return
+            self._news.cancel()
+        self._news_of = heard
+        self._news = asyncio.ensure_future(self._await_news(*heard))
+
+    async def _await_news(
+        self, handle: Any, incarnation: str | None, draining: bool
+    ) -> None:
+        try:
+            news = await handle.news.remote(
+                self._replica_id, incarnation, draining, NEWS_WAIT_S
+            )
+        except Exception as e:  # gone or restarting: the next report finds out
+            logger.debug("news from the router failed: %r", e)
+            self._force = True
+            return
+        if news == (incarnation, draining):
+            return  # none within NEWS_WAIT_S: the next report asks again
+        if news[0] != self._router_incarnation:
+            self._resend_all = True  # a new router: it needs everything
+        self._force = True
+        self._wake.set()
 
 
 def _idle_as(report: ReplicaReport, last: ReplicaReport | None) -> bool:

@@ -202,6 +202,68 @@ def test_a_changed_router_config_replaces_the_router(served: Served) -> None:
         router_actor.kill(app)
 
 
+def test_a_restarted_router_hears_from_an_idle_replica_at_once(
+    served: Served,
+) -> None:
+    """An idle replica's reports wait for its heartbeat (an hour here): a router
+    restarted by Ray learns of it, and it learns that Serve stops it, through
+    its ``news`` call pending at the router, which Ray retries on the restarted
+    actor."""
+    import asyncio
+    import contextlib
+
+    import ray
+
+    from cluster.config import RouterConfig
+    from deployments.engine.reporter import Reporter
+
+    app, model = "news-test", served.config.model.path
+    router = router_actor.get_or_create(RouterConfig(), app, model)
+    told: list[bool] = []
+    reporter = Reporter(
+        "news-r1",
+        progress=lambda: (),
+        tokens_generated=lambda: 0,
+        connect=lambda: router,
+        interval_s=0.05,
+        heartbeat_s=3600,
+        on_draining=told.append,
+    )
+    stop = threading.Event()
+
+    async def report_until_stopped() -> None:
+        task = asyncio.create_task(reporter.run())
+        while not stop.is_set():
+            await asyncio.sleep(0.05)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    thread = threading.Thread(target=asyncio.run, args=(report_until_stopped(),))
+    thread.start()
+
+    def known() -> bool:
+        return "news-r1" in ray.get(router.snapshot.remote(), timeout=30).replicas
+
+    def incarnation() -> str:
+        news = ray.get(router.news.remote("news-r1", "", False, 0), timeout=30)
+        return str(news[0])
+
+    try:
+        wait_until(known, 30, "the router to learn the replica")
+        first = incarnation()
+        time.sleep(0.5)  # its news call is pending at the router
+        ray.kill(router, no_restart=False)
+        wait_until(lambda: incarnation() != first, 30, "the router to restart")
+        wait_until(known, 5, "the restarted router to learn the idle replica")
+        ray.get(router.serving_changed.remote([], ["news-r1"]), timeout=30)
+        wait_until(lambda: told == [True], 10, "the idle replica to hear it drains")
+    finally:
+        stop.set()
+        thread.join(30)
+        router_actor.kill(app)
+
+
 def test_router_metrics_reach_prometheus(served: Served) -> None:
     """Admissions and sheds show on Ray's metrics endpoint (exported every ~10 s)."""
     generate(served, [5, 6], 4, pb.REALTIME)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from cluster.config import RouterConfig
 from cluster.qos import QoS
 from router.actor import DeepSeekRouter
@@ -40,6 +42,38 @@ async def test_the_actor_admits_refuses_and_reports_through_its_service() -> Non
         ack = await router.report(ReplicaReport(ReplicaId("a"), node_id="n1"))
         assert ack.draining and (await router.snapshot()).replicas["a"].draining
         assert await router.follows_stores() is None
+    finally:
+        for task in router._tasks:
+            task.cancel()
+
+
+async def test_news_answers_a_replica_of_a_new_router_or_a_drain_at_once() -> None:
+    router = DeepSeekRouter(RouterConfig(), num_experts=0)
+    a = ReplicaId("a")
+    try:
+        # A replica that reported to another incarnation: answered at once.
+        assert await router.news(a, "before", False, 30) == (router.incarnation, False)
+        # Nothing new within the wait: the same answer it asked against.
+        assert await router.news(a, router.incarnation, False, 0.05) == (
+            router.incarnation,
+            False,
+        )
+        pending = [
+            asyncio.ensure_future(router.news(rid, router.incarnation, False, 30))
+            for rid in (a, ReplicaId("b"))
+        ]
+        await asyncio.sleep(0.05)
+        assert not any(p.done() for p in pending)
+        await router.serving_changed([], [a])  # Serve stops "a"
+        assert await asyncio.wait_for(pending[0], 1) == (router.incarnation, True)
+        await asyncio.sleep(0.05)
+        assert not pending[1].done()  # "b" heard nothing: it still waits
+        await router.serving_changed([a], [])  # ... and keeps it after all
+        assert await router.news(a, router.incarnation, True, 30) == (
+            router.incarnation,
+            False,
+        )
+        pending[1].cancel()
     finally:
         for task in router._tasks:
             task.cancel()

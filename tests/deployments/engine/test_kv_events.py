@@ -24,6 +24,7 @@ from router.types import (
     ReportAck,
     RequestProgress,
 )
+from tests.waiting import until
 
 H = block_hashes(list(range(64)), 16)  # 4 chained block hashes
 PROBE = block_hashes(list(range(100, 116)), 16)[0]
@@ -105,17 +106,19 @@ def test_int_hashes_are_refused() -> None:
 
 
 class FakeRouter:
-    """The router actor's ``report`` at its process boundary."""
+    """The router actor's ``report`` and ``news`` at its process boundary."""
 
     def __init__(self) -> None:
         self.incarnation = "one"
         self.draining = False
         self.load: dict[str, float] = {}
         self.reports: list[ReplicaReport] = []
+        self.news_calls = 0
         self.fail = False
+        self.silent = False  # news never comes: what reports alone find out
         outer = self
 
-        class _Method:
+        class _Report:
             def remote(self, report: ReplicaReport) -> Any:
                 async def answer() -> ReportAck:
                     if outer.fail:
@@ -125,7 +128,25 @@ class FakeRouter:
 
                 return answer()
 
-        self.report = _Method()
+        class _News:
+            def remote(
+                self, rid: str, incarnation: str, draining: bool, wait_s: float
+            ) -> Any:
+                outer.news_calls += 1
+
+                async def answer() -> tuple[str, bool]:
+                    heard = (incarnation, draining)
+                    deadline = asyncio.get_running_loop().time() + wait_s
+                    while outer.silent or (outer.incarnation, outer.draining) == heard:
+                        if asyncio.get_running_loop().time() > deadline:
+                            break
+                        await asyncio.sleep(0.002)
+                    return outer.incarnation, outer.draining
+
+                return answer()
+
+        self.report = _Report()
+        self.news = _News()
 
     def reporter(self, **kw: Any) -> Reporter:
         """A replica's reporter to this router, every 10 ms."""
@@ -139,12 +160,12 @@ class FakeRouter:
         )
 
     async def reports_reach(self, n: int) -> None:
-        while len(self.reports) < n:
-            await asyncio.sleep(0.005)
+        await until(lambda: len(self.reports) >= n, f"{n} reports")
 
 
 async def test_reporter_resends_all_blocks_to_a_new_router() -> None:
     router = FakeRouter()
+    router.silent = True  # what the reports' answers alone tell
     sent: list[bool] = []
 
     def kv(full: bool) -> tuple[KVEvent, ...]:
@@ -233,6 +254,43 @@ async def test_an_idle_replica_reports_only_its_heartbeat() -> None:
         assert len(router.reports) <= after + 2
     finally:
         task.cancel()
+
+
+async def test_an_idle_replica_tells_a_new_router_and_hears_of_draining_at_once() -> (
+    None
+):
+    """Idle, a replica reports once an hour here: what cannot wait comes from its
+    pending ``news`` call."""
+    router = FakeRouter()
+    told: list[bool] = []
+
+    def kv(full: bool) -> tuple[KVEvent, ...]:
+        return (KVEvent("cleared"),) if full else ()
+
+    reporter = router.reporter(kv_events=kv, heartbeat_s=3600, on_draining=told.append)
+    task = asyncio.create_task(reporter.run())
+    try:
+        await router.reports_reach(2)  # first contact (everything), then none
+        await asyncio.sleep(0.1)
+        assert len(router.reports) == 2  # idle as the last: nothing more
+        router.incarnation = "two"  # the router restarted
+        await router.reports_reach(4)
+        assert router.reports[2].kv_events == (KVEvent("cleared"),)  # all, at once
+        await asyncio.sleep(0.1)
+        assert len(router.reports) == 4
+        router.draining = True  # Serve is stopping the replica
+        await until(lambda: told == [True], "the replica to hear it drains")
+        router.draining = False  # Serve kept it after all
+        await until(lambda: told == [True, False], "the replica to hear it serves")
+        await asyncio.sleep(0.1)
+        assert len(router.reports) == 6
+        full = [r.kv_events == (KVEvent("cleared"),) for r in router.reports]
+        assert full == [True, False, True, False, False, False]
+        assert router.news_calls == 4  # one pending call per answer it heard
+    finally:
+        task.cancel()
+    await asyncio.sleep(0.01)
+    assert reporter._news is not None and reporter._news.done()  # ended with it
 
 
 def test_the_listener_reports_its_engines_blocks_and_resends_them_all() -> None:
