@@ -151,9 +151,9 @@ class RouterService:
     async def draining_changes(
         self, rid: ReplicaId, draining: bool, wait_s: float
     ) -> bool:
-        """Waits up to ``wait_s`` for Serve to start stopping replica ``rid`` (or
-        to keep it after all) while ``draining`` says the replica believes
-        otherwise; returns whether it drains now."""
+        """Waits, up to ``wait_s``, for Serve to start stopping replica ``rid``
+        (``draining`` False: what the replica last heard) or to keep it after
+        all (True); returns whether it drains now."""
         deadline = asyncio.get_running_loop().time() + wait_s
         while self.draining(rid) == draining:
             left = deadline - asyncio.get_running_loop().time()
