@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -283,12 +284,17 @@ class Server:
         if self.peer.uses_ray:
             ray = str(Path(sys.executable).parent / "ray")
             subprocess.run([ray, "stop", "--force"], capture_output=True, check=False)
-        # Any vLLM process this peer started and left behind would skew the next.
+        # Any vLLM process this peer started and left behind would skew the next,
+        # and an HAProxy (server.haproxy) would hold its ports: the group's
+        # SIGTERM reaches Ray's daemons too, and a server whose shutdown can no
+        # longer reach them does not end what Serve started.
         for proc in psutil.process_iter(["name", "create_time"]):
-            if proc.info["name"].startswith("VLLM::") and (
+            name = proc.info["name"] or ""
+            if (name.startswith("VLLM::") or name == "haproxy") and (
                 proc.info["create_time"] >= self.started_at
             ):
-                proc.kill()
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    proc.kill()
         self.log.close()
 
 
