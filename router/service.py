@@ -35,6 +35,26 @@ logger = logging.getLogger("moe_cluster.router")
 LOST_MEMORY = 256  # replicas dropped for silence that ``lost_replicas`` recalls
 
 
+class Wakeup:
+    """Wakes every long poll waiting on it at once (``fire``); each waits at most
+    its own time-out, and one's time-out wakes no other."""
+
+    def __init__(self) -> None:
+        self._future: asyncio.Future[None] | None = None
+
+    async def wait(self, timeout_s: float) -> None:
+        """Returns at the next ``fire``, or after ``timeout_s``."""
+        if self._future is None:
+            self._future = asyncio.get_running_loop().create_future()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._future), timeout_s)
+
+    def fire(self) -> None:
+        future, self._future = self._future, None
+        if future is not None and not future.done():
+            future.set_result(None)
+
+
 class RouterService:
     def __init__(
         self,
@@ -61,9 +81,8 @@ class RouterService:
         # Replicas dropped because their reports stopped, numbered in order.
         self.lost_epoch = 0
         self._lost: deque[tuple[int, ReplicaId]] = deque(maxlen=LOST_MEMORY)
-        self._lost_wakeup: asyncio.Future[None] | None = None
-        # Wakes the replicas' ``draining_changes`` polls when Serve's set changes.
-        self._serving_wakeup: asyncio.Future[None] | None = None
+        self._lost_wakeup = Wakeup()  # a replica dropped: ``lost_replicas``
+        self._serving_wakeup = Wakeup()  # Serve's set changed: ``draining_changes``
 
     def start(self) -> None:
         if self._ticker is None:
@@ -140,9 +159,7 @@ class RouterService:
         """Serve's running replicas changed (see ``RouterCore.serving_changed``)."""
         self.core.serving_changed(added, removed)
         self.pump()
-        wakeup, self._serving_wakeup = self._serving_wakeup, None
-        if wakeup is not None and not wakeup.done():
-            wakeup.set_result(None)
+        self._serving_wakeup.fire()
 
     def draining(self, rid: ReplicaId) -> bool:
         """Whether Serve is stopping replica ``rid`` (what its report's answer says)."""
@@ -159,11 +176,7 @@ class RouterService:
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
                 break
-            if self._serving_wakeup is None:
-                self._serving_wakeup = asyncio.get_running_loop().create_future()
-            with contextlib.suppress(TimeoutError):
-                # Shielded: one caller's time-out must not wake the others.
-                await asyncio.wait_for(asyncio.shield(self._serving_wakeup), left)
+            await self._serving_wakeup.wait(left)
         return self.draining(rid)
 
     def follow_stores(self, changes: Changes[Entry]) -> None:
@@ -235,19 +248,13 @@ class RouterService:
         if not 0 <= since <= self.lost_epoch:
             return self.lost_epoch, []
         if since == self.lost_epoch:
-            if self._lost_wakeup is None:
-                self._lost_wakeup = asyncio.get_running_loop().create_future()
-            with contextlib.suppress(TimeoutError):
-                # Shielded: one caller's time-out must not wake the others.
-                await asyncio.wait_for(asyncio.shield(self._lost_wakeup), wait_s)
+            await self._lost_wakeup.wait(wait_s)
         return self.lost_epoch, [rid for n, rid in self._lost if n > since]
 
     def _replica_lost(self, rid: ReplicaId) -> None:
         self.lost_epoch += 1
         self._lost.append((self.lost_epoch, rid))
-        wakeup, self._lost_wakeup = self._lost_wakeup, None
-        if wakeup is not None and not wakeup.done():
-            wakeup.set_result(None)
+        self._lost_wakeup.fire()
 
     def _drain(self) -> None:
         transitions, self.core.transitions[:] = list(self.core.transitions), []
