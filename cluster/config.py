@@ -145,17 +145,24 @@ class EngineConfig(_Strict):
     omp_num_threads: int | None = Field(
         None, gt=0, description="OMP_NUM_THREADS for each engine process (CPU backend)."
     )
-    cpu_cores: Literal["shared", "reserved"] = Field(
-        "shared",
-        description="CPU backend, on a cluster `moe-cluster serve` starts. shared: "
-        "the OS places every process on every core. reserved: each engine gets "
-        "omp_num_threads cores of its own (the node's last ones) and Ray, Serve, "
+    cpu_cores: Literal["auto", "shared", "pinned", "reserved"] = Field(
+        "auto",
+        description="CPU backend, on a cluster `moe-cluster serve` starts. auto: "
+        "pinned where the engines have a slot each (and omp_num_threads is set), "
+        "shared otherwise. shared: "
+        "the OS places every process on every core. pinned: each engine computes "
+        "on a slot of omp_num_threads cores (the node's last ones, one slot per "
+        "engine) and never moves off it, and the rest of the cluster runs on "
+        "every core, the slots' included (an error where the engines need more "
+        "cores than the node has, or omp_num_threads is unset). reserved: each "
+        "engine gets omp_num_threads cores of its own (the node's last ones) and "
+        "Ray, Serve, "
         "the router and the page store run on the others, so none of them "
         "preempts an engine mid-step (an error where the node would keep no core "
         "for them, or omp_num_threads is unset). Counts the autoscaler's most "
-        "replicas. With one replica on 2 cores, S1's throughput rose by ~7% on "
-        "average and a realtime request's first-token p99 under a background "
-        "flood grew (README).",
+        "replicas. With one replica on 2 cores, pinned and reserved each raised "
+        "S1's throughput by ~7% over shared; reserved also grew a realtime "
+        "request's first-token p99 under a background flood (README).",
     )
     executor: Literal["auto", "uni", "mp"] = Field(
         "auto",

@@ -21,6 +21,11 @@ The trade, measured with one replica on 2 cores (README): the engine's
 throughput rises, and the rest of the cluster, left one core, answers realtime
 requests more slowly under a background flood. The default is ``shared``.
 
+``engine.cpu_cores: pinned`` keeps each engine core's main thread on its slot
+the same way, but leaves every core of the node to the rest of the cluster:
+the engine no longer moves between cores (and leaves its warm caches behind),
+while a flood's serving work may still use its core when the others are busy.
+
 Only a cluster that ``moe-cluster serve`` starts is laid out: the layout names
 the cores of the one node it starts on. Engine replicas of a cluster joined
 another way see no ``MOE_CLUSTER_ENGINE_CORES`` and share the cores.
@@ -49,9 +54,10 @@ ENV = "MOE_CLUSTER_ENGINE_CORES"
 
 @dataclass(frozen=True)
 class Layout:
-    """``slots``: each engine's cores; ``serving``: every other core of the node,
-    for the rest of the cluster. ``name`` is unique per cluster start: it names
-    the slots' claims, so two clusters on one machine never share them."""
+    """``slots``: each engine's cores; ``serving``: the rest of the cluster's,
+    every other core of the node (``reserved``) or every core (``pinned``).
+    ``name`` is unique per cluster start: it names the slots' claims, so two
+    clusters on one machine never share them."""
 
     name: str
     slots: tuple[tuple[int, ...], ...]
@@ -71,8 +77,18 @@ class Layout:
             tuple(int(c) for c in d["serving"]),
         )
 
+    @property
+    def exclusive(self) -> bool:
+        """Whether the slots' cores are the engines' alone (``reserved``)."""
+        return not set(self.serving).intersection(*self.slots)
+
     def describe(self) -> str:
         slots = ", ".join(_cores(s) for s in self.slots)
+        if not self.exclusive:
+            return (
+                f"engines pinned to cores {slots} (one slot each), the rest of the "
+                f"cluster on every core ({_cores(self.serving)})"
+            )
         return (
             f"engines on cores {slots} (one slot each), the rest of the cluster on "
             f"{_cores(self.serving)}"
@@ -83,12 +99,21 @@ def _cores(cores: Sequence[int]) -> str:
     return ",".join(str(c) for c in cores)
 
 
-def plan(cores: Sequence[int], engines: int, threads: int, name: str) -> Layout:
+def plan(
+    cores: Sequence[int], engines: int, threads: int, name: str, exclusive: bool = True
+) -> Layout:
     """``engines`` slots of ``threads`` cores each, from the end of ``cores``;
-    raises ValueError unless at least one core is left for the rest."""
+    ``exclusive``: the rest of the cluster gets the other cores, and at least one
+    must be left (ValueError otherwise); else it gets every core."""
     ordered = sorted(cores)
     need = engines * threads
-    if need >= len(ordered):
+    if not exclusive and need > len(ordered):
+        raise ValueError(
+            f"{engines} engine{'s' * (engines > 1)} of {threads} "
+            f"thread{'s' * (threads > 1)} need {need} cores of their own; this "
+            f"node lets it use {len(ordered)} ({_cores(ordered)})"
+        )
+    if exclusive and need >= len(ordered):
         raise ValueError(
             f"{engines} engine{'s' * (engines > 1)} of {threads} "
             f"thread{'s' * (threads > 1)} need {need} cores of their own and one "
@@ -99,7 +124,8 @@ def plan(cores: Sequence[int], engines: int, threads: int, name: str) -> Layout:
     slots = tuple(
         tuple(engine_cores[i * threads : (i + 1) * threads]) for i in range(engines)
     )
-    return Layout(name, slots, tuple(ordered[: len(ordered) - need]))
+    serving = ordered[: len(ordered) - need] if exclusive else ordered
+    return Layout(name, slots, tuple(serving))
 
 
 def engines_on_node(config: ClusterConfig) -> int:
@@ -126,10 +152,20 @@ def for_local_cluster(
 ) -> Layout | None:
     """The layout of a new one-node cluster of ``config`` (``cores``: the node's
     cores this process may use), or None where its engines share the cores.
-    Raises ValueError, saying why, where ``engine.cpu_cores: reserved`` cannot be."""
+    Raises ValueError, saying why, where ``engine.cpu_cores`` (``pinned`` or
+    ``reserved``) cannot be."""
+    return resolve(config, cores)[0]
+
+
+def resolve(
+    config: ClusterConfig, cores: Sequence[int] | None = None
+) -> tuple[Layout | None, str]:
+    """``for_local_cluster``, with why the engines share the cores where they do
+    (``engine.cpu_cores: auto`` shares them where ``pinned`` cannot be)."""
     e = config.engine
     if e.cpu_cores == "shared":
-        return None
+        return None, "engine.cpu_cores is shared"
+    mode = "reserved" if e.cpu_cores == "reserved" else "pinned"
     why = ""
     if config.engine_platform().backend is Backend.GPU:
         why = "the engines run on GPUs"
@@ -137,14 +173,23 @@ def for_local_cluster(
         why = "engine.omp_num_threads is not set (how many cores an engine computes on)"
     elif e.cpu_omp_threads_bind != "nobind":
         why = f"engine.cpu_omp_threads_bind is {e.cpu_omp_threads_bind!r}"
-    if why:
-        raise ValueError(f"engine.cpu_cores: reserved, but {why}")
-    available = sorted(cores if cores is not None else os.sched_getaffinity(0))
-    name = f"{os.getpid()}-{time.time_ns()}"
-    try:
-        return plan(available, engines_on_node(config), cores_per_engine(config), name)
-    except ValueError as err:
-        raise ValueError(f"engine.cpu_cores: reserved, but {err}") from None
+    else:
+        available = sorted(cores if cores is not None else os.sched_getaffinity(0))
+        name = f"{os.getpid()}-{time.time_ns()}"
+        try:
+            layout = plan(
+                available,
+                engines_on_node(config),
+                cores_per_engine(config),
+                name,
+                exclusive=mode == "reserved",
+            )
+            return layout, ""
+        except ValueError as err:
+            why = str(err)
+    if e.cpu_cores == "auto":
+        return None, why
+    raise ValueError(f"engine.cpu_cores: {mode}, but {why}")
 
 
 def apply(layout: Layout) -> None:

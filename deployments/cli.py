@@ -118,9 +118,9 @@ def lay_out_cores(config: ClusterConfig) -> str:
     new local cluster starts; says how."""
     from cluster import cpu_layout
 
-    layout = cpu_layout.for_local_cluster(config)
+    layout, why = cpu_layout.resolve(config)
     if layout is None:
-        return "engines share the cores with the rest of the cluster"
+        return f"engines share the cores with the rest of the cluster ({why})"
     cpu_layout.apply(layout)
     return layout.describe()
 

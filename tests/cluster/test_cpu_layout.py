@@ -37,6 +37,21 @@ def test_engines_take_the_last_cores_and_leave_the_rest() -> None:
         plan([0, 1], 2, 1, "n")
 
 
+def test_pinned_engines_take_the_last_cores_and_leave_every_core_to_the_rest() -> None:
+    pinned = plan([0, 1], 1, 1, "n", exclusive=False)
+    assert pinned == Layout("n", ((1,),), (0, 1))
+    assert not pinned.exclusive and plan([0, 1], 1, 1, "n").exclusive
+    assert pinned.describe() == (
+        "engines pinned to cores 1 (one slot each), the rest of the cluster on "
+        "every core (0,1)"
+    )
+    both = plan([0, 1], 2, 1, "n", exclusive=False)  # a core each, none left over
+    assert both.slots == ((0,), (1,)) and both.serving == (0, 1)
+    with pytest.raises(ValueError, match="need 3 cores of their own; this node"):
+        plan([0, 1], 3, 1, "n", exclusive=False)
+    assert Layout.from_env(both.to_env()) == both
+
+
 def test_layout_travels_in_the_environment() -> None:
     layout = plan(range(8), 2, 3, "123-456")
     assert Layout.from_env(layout.to_env()) == layout
@@ -46,7 +61,7 @@ def test_layout_travels_in_the_environment() -> None:
 
 
 def test_reserved_lays_out_only_with_a_core_left_for_the_rest() -> None:
-    assert cpu_layout.for_local_cluster(config(), [0, 1]) is None  # shared
+    assert cpu_layout.for_local_cluster(config(cpu_cores="shared"), [0, 1]) is None
     layout = cpu_layout.for_local_cluster(config(cpu_cores="reserved"), [0, 1])
     assert layout is not None and layout.slots == ((1,),)
     assert layout.serving == (0,)
@@ -73,7 +88,45 @@ def test_reserved_lays_out_only_with_a_core_left_for_the_rest() -> None:
     with pytest.raises(ValueError, match="cpu_omp_threads_bind"):
         cpu_layout.for_local_cluster(bound, [0, 1])
     with pytest.raises(ValueError, match="cpu_cores"):
-        config(cpu_cores="auto")
+        config(cpu_cores="always")
+
+
+def test_pinned_lays_out_while_the_engines_have_a_core_each() -> None:
+    layout = cpu_layout.for_local_cluster(config(cpu_cores="pinned"), [0, 1])
+    assert layout is not None and layout.slots == ((1,),)
+    assert layout.serving == (0, 1)
+    two = config(cpu_cores="pinned", deployment={"num_replicas": 2})
+    layout = cpu_layout.for_local_cluster(two, [0, 1])
+    assert layout is not None and layout.slots == ((0,), (1,))
+    three = config(cpu_cores="pinned", deployment={"num_replicas": 3})
+    with pytest.raises(ValueError, match="pinned, but 3 engines of 1 thread need 3"):
+        cpu_layout.for_local_cluster(three, [0, 1])
+    with pytest.raises(ValueError, match=r"pinned, but engine\.omp_num_threads"):
+        cpu_layout.for_local_cluster(
+            config(cpu_cores="pinned", omp_num_threads=None), [0, 1]
+        )
+
+
+def test_auto_pins_where_the_engines_have_a_core_each_and_shares_elsewhere() -> None:
+    assert config().engine.cpu_cores == "auto"  # the default
+    layout, why = cpu_layout.resolve(config(), [0, 1])
+    assert layout is not None and (layout.slots, layout.serving) == (((1,),), (0, 1))
+    assert why == ""
+    three = config(deployment={"num_replicas": 3})
+    assert cpu_layout.resolve(three, [0, 1]) == (
+        None,
+        "3 engines of 1 thread need 3 cores of their own; this node lets it use "
+        "2 (0,1)",
+    )
+    unset = config(omp_num_threads=None)
+    layout, why = cpu_layout.resolve(unset, [0, 1])
+    assert layout is None and why.startswith("engine.omp_num_threads is not set")
+    gpu = config(attention_backend="auto", deployment={"num_gpus": 1})
+    assert cpu_layout.resolve(gpu, [0, 1]) == (None, "the engines run on GPUs")
+    assert cpu_layout.resolve(config(cpu_cores="shared"), [0, 1]) == (
+        None,
+        "engine.cpu_cores is shared",
+    )
 
 
 def test_each_slot_is_claimed_once_and_freed_with_its_holder() -> None:
@@ -107,16 +160,20 @@ def test_each_slot_is_claimed_once_and_freed_with_its_holder() -> None:
     freed.release()
 
 
-@pytest.fixture
-def two_cores() -> Iterator[Layout]:
-    """A layout of this machine's last core for one engine, the rest serving;
-    this thread's affinity as it was afterwards."""
+@pytest.fixture(params=["reserved", "pinned"])
+def two_cores(request: pytest.FixtureRequest) -> Iterator[Layout]:
+    """A layout of this machine's last core for one engine, the rest serving on
+    the other cores (reserved) or on every core (pinned); this thread's
+    affinity as it was afterwards."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("a layout needs 2 cores")
     before = os.sched_getaffinity(0)
+    mode = request.param
     try:
-        yield plan(cores, 1, 1, f"test-{os.getpid()}-spawn")
+        yield plan(
+            cores, 1, 1, f"test-{os.getpid()}-{mode}", exclusive=mode == "reserved"
+        )
     finally:
         os.sched_setaffinity(0, before)
 

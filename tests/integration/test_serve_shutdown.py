@@ -87,8 +87,8 @@ def test_stopping_serve_lets_streams_finish_and_refuses_new_ones(
         k: ENGINE[k] for k in ("attention_backend", "kv_cache_memory_bytes")
     }
     config["deployment"] |= {"num_replicas": 1, "drain_timeout_s": 60}
-    if len(os.sched_getaffinity(0)) >= 2:
-        config["engine"]["cpu_cores"] = "reserved"
+    several = len(os.sched_getaffinity(0)) >= 2
+    config["engine"]["cpu_cores"] = "reserved" if several else "shared"
     config["server"] |= {"http_port": http, "grpc_port": grpc_port}
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
