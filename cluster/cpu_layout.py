@@ -80,7 +80,7 @@ class Layout:
     @property
     def exclusive(self) -> bool:
         """Whether the slots' cores are the engines' alone (``reserved``)."""
-        return not set(self.serving).intersection(*self.slots)
+        return not set(self.serving).intersection(set().union(*self.slots))
 
     def describe(self) -> str:
         slots = ", ".join(_cores(s) for s in self.slots)

@@ -47,6 +47,7 @@ def test_pinned_engines_take_the_last_cores_and_leave_every_core_to_the_rest() -
     )
     both = plan([0, 1], 2, 1, "n", exclusive=False)  # a core each, none left over
     assert both.slots == ((0,), (1,)) and both.serving == (0, 1)
+    assert not both.exclusive and both.describe().startswith("engines pinned")
     with pytest.raises(ValueError, match="need 3 cores of their own; this node"):
         plan([0, 1], 3, 1, "n", exclusive=False)
     assert Layout.from_env(both.to_env()) == both
