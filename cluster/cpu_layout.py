@@ -19,12 +19,13 @@ uni``), only the engine core's main thread stays there; its other threads
 
 The trade, measured with one replica on 2 cores (README): the engine's
 throughput rises, and the rest of the cluster, left one core, answers realtime
-requests more slowly under a background flood. The default is ``shared``.
+requests more slowly under a background flood.
 
-``engine.cpu_cores: pinned`` keeps each engine core's main thread on its slot
-the same way, but leaves every core of the node to the rest of the cluster:
-the engine no longer moves between cores (and leaves its warm caches behind),
-while a flood's serving work may still use its core when the others are busy.
+``engine.cpu_cores: pinned`` keeps each engine on its slot the same way, but
+leaves every core of the node to the rest of the cluster: the engine no longer
+moves between cores, leaving its warm caches behind, while a flood's serving
+work may still use its core when the others are busy. The default, ``auto``,
+pins where every engine gets a slot and shares the cores otherwise.
 
 Only a cluster that ``moe-cluster serve`` starts is laid out: the layout names
 the cores of the one node it starts on. Engine replicas of a cluster joined
@@ -107,18 +108,13 @@ def plan(
     must be left (ValueError otherwise); else it gets every core."""
     ordered = sorted(cores)
     need = engines * threads
-    if not exclusive and need > len(ordered):
+    spare = 1 if exclusive else 0  # a core left for the rest of the cluster
+    if need + spare > len(ordered):
+        more = " and one more for the rest of the cluster" if exclusive else ""
         raise ValueError(
             f"{engines} engine{'s' * (engines > 1)} of {threads} "
-            f"thread{'s' * (threads > 1)} need {need} cores of their own; this "
-            f"node lets it use {len(ordered)} ({_cores(ordered)})"
-        )
-    if exclusive and need >= len(ordered):
-        raise ValueError(
-            f"{engines} engine{'s' * (engines > 1)} of {threads} "
-            f"thread{'s' * (threads > 1)} need {need} cores of their own and one "
-            f"more for the rest of the cluster; this node lets it use "
-            f"{len(ordered)} ({_cores(ordered)})"
+            f"thread{'s' * (threads > 1)} need {need} cores of their own{more}; "
+            f"this node lets it use {len(ordered)} ({_cores(ordered)})"
         )
     engine_cores = ordered[len(ordered) - need :]
     slots = tuple(
