@@ -145,47 +145,44 @@ def cores_per_engine(config: ClusterConfig) -> int:
 
 def for_local_cluster(
     config: ClusterConfig, cores: Sequence[int] | None = None
-) -> Layout | None:
-    """The layout of a new one-node cluster of ``config`` (``cores``: the node's
-    cores this process may use), or None where its engines share the cores.
-    Raises ValueError, saying why, where ``engine.cpu_cores`` (``pinned`` or
-    ``reserved``) cannot be."""
-    return resolve(config, cores)[0]
-
-
-def resolve(
-    config: ClusterConfig, cores: Sequence[int] | None = None
 ) -> tuple[Layout | None, str]:
-    """``for_local_cluster``, with why the engines share the cores where they do
-    (``engine.cpu_cores: auto`` shares them where ``pinned`` cannot be)."""
+    """The layout of a new one-node cluster of ``config`` (``cores``: the node's
+    cores this process may use), or None and why its engines share the cores
+    (``auto`` shares them where ``pinned`` cannot be). Raises ValueError, saying
+    why, where ``engine.cpu_cores`` (``pinned`` or ``reserved``) cannot be."""
     e = config.engine
     if e.cpu_cores == "shared":
         return None, "engine.cpu_cores is shared"
     mode = "reserved" if e.cpu_cores == "reserved" else "pinned"
-    why = ""
-    if config.engine_platform().backend is Backend.GPU:
-        why = "the engines run on GPUs"
-    elif e.omp_num_threads is None:
-        why = "engine.omp_num_threads is not set (how many cores an engine computes on)"
-    elif e.cpu_omp_threads_bind != "nobind":
-        why = f"engine.cpu_omp_threads_bind is {e.cpu_omp_threads_bind!r}"
-    else:
+    why = _cannot_lay_out(config)
+    if not why:
         available = sorted(cores if cores is not None else os.sched_getaffinity(0))
         name = f"{os.getpid()}-{time.time_ns()}"
+        threads = cores_per_engine(config)
+        exclusive = mode == "reserved"
         try:
-            layout = plan(
-                available,
-                engines_on_node(config),
-                cores_per_engine(config),
-                name,
-                exclusive=mode == "reserved",
-            )
-            return layout, ""
+            layout = plan(available, engines_on_node(config), threads, name, exclusive)
         except ValueError as err:
             why = str(err)
+        else:
+            return layout, ""
     if e.cpu_cores == "auto":
         return None, why
     raise ValueError(f"engine.cpu_cores: {mode}, but {why}")
+
+
+def _cannot_lay_out(config: ClusterConfig) -> str:
+    """Why no engine of ``config`` can have cores of its own, or ''."""
+    e = config.engine
+    if config.engine_platform().backend is Backend.GPU:
+        return "the engines run on GPUs"
+    if e.omp_num_threads is None:
+        return (
+            "engine.omp_num_threads is not set (how many cores an engine computes on)"
+        )
+    if e.cpu_omp_threads_bind != "nobind":
+        return f"engine.cpu_omp_threads_bind is {e.cpu_omp_threads_bind!r}"
+    return ""
 
 
 def apply(layout: Layout) -> None:

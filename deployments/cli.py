@@ -118,7 +118,7 @@ def lay_out_cores(config: ClusterConfig) -> str:
     new local cluster starts; says how."""
     from cluster import cpu_layout
 
-    layout, why = cpu_layout.resolve(config)
+    layout, why = cpu_layout.for_local_cluster(config)
     if layout is None:
         return f"engines share the cores with the rest of the cluster ({why})"
     cpu_layout.apply(layout)

@@ -62,14 +62,14 @@ def test_layout_travels_in_the_environment() -> None:
 
 
 def test_reserved_lays_out_only_with_a_core_left_for_the_rest() -> None:
-    assert cpu_layout.for_local_cluster(config(cpu_cores="shared"), [0, 1]) is None
-    layout = cpu_layout.for_local_cluster(config(cpu_cores="reserved"), [0, 1])
+    assert cpu_layout.for_local_cluster(config(cpu_cores="shared"), [0, 1])[0] is None
+    layout = cpu_layout.for_local_cluster(config(cpu_cores="reserved"), [0, 1])[0]
     assert layout is not None and layout.slots == ((1,),)
     assert layout.serving == (0,)
     two = config(cpu_cores="reserved", deployment={"num_replicas": 2})
     with pytest.raises(ValueError, match="reserved, but 2 engines of 1 thread need"):
         cpu_layout.for_local_cluster(two, [0, 1])
-    assert cpu_layout.for_local_cluster(two, [0, 1, 2]) is not None
+    assert cpu_layout.for_local_cluster(two, [0, 1, 2])[0] is not None
     # The autoscaler's most replicas count: they would share the slots otherwise.
     scaled = config(
         cpu_cores="reserved",
@@ -79,7 +79,7 @@ def test_reserved_lays_out_only_with_a_core_left_for_the_rest() -> None:
         cpu_layout.for_local_cluster(scaled, [0, 1, 2])
     # Tensor-parallel ranks are one engine's processes: one slot, their cores.
     tp = config(cpu_cores="reserved", omp_num_threads=2, tensor_parallel_size=2)
-    layout = cpu_layout.for_local_cluster(tp, range(6))
+    layout = cpu_layout.for_local_cluster(tp, range(6))[0]
     assert layout is not None and layout.slots == ((2, 3, 4, 5),)
     with pytest.raises(ValueError, match=r"reserved, but engine\.omp_num_threads"):
         cpu_layout.for_local_cluster(
@@ -93,11 +93,11 @@ def test_reserved_lays_out_only_with_a_core_left_for_the_rest() -> None:
 
 
 def test_pinned_lays_out_while_the_engines_have_a_core_each() -> None:
-    layout = cpu_layout.for_local_cluster(config(cpu_cores="pinned"), [0, 1])
+    layout = cpu_layout.for_local_cluster(config(cpu_cores="pinned"), [0, 1])[0]
     assert layout is not None and layout.slots == ((1,),)
     assert layout.serving == (0, 1)
     two = config(cpu_cores="pinned", deployment={"num_replicas": 2})
-    layout = cpu_layout.for_local_cluster(two, [0, 1])
+    layout = cpu_layout.for_local_cluster(two, [0, 1])[0]
     assert layout is not None and layout.slots == ((0,), (1,))
     three = config(cpu_cores="pinned", deployment={"num_replicas": 3})
     with pytest.raises(ValueError, match="pinned, but 3 engines of 1 thread need 3"):
@@ -110,21 +110,24 @@ def test_pinned_lays_out_while_the_engines_have_a_core_each() -> None:
 
 def test_auto_pins_where_the_engines_have_a_core_each_and_shares_elsewhere() -> None:
     assert config().engine.cpu_cores == "auto"  # the default
-    layout, why = cpu_layout.resolve(config(), [0, 1])
+    layout, why = cpu_layout.for_local_cluster(config(), [0, 1])
     assert layout is not None and (layout.slots, layout.serving) == (((1,),), (0, 1))
     assert why == ""
     three = config(deployment={"num_replicas": 3})
-    assert cpu_layout.resolve(three, [0, 1]) == (
+    assert cpu_layout.for_local_cluster(three, [0, 1]) == (
         None,
         "3 engines of 1 thread need 3 cores of their own; this node lets it use "
         "2 (0,1)",
     )
     unset = config(omp_num_threads=None)
-    layout, why = cpu_layout.resolve(unset, [0, 1])
+    layout, why = cpu_layout.for_local_cluster(unset, [0, 1])
     assert layout is None and why.startswith("engine.omp_num_threads is not set")
     gpu = config(attention_backend="auto", deployment={"num_gpus": 1})
-    assert cpu_layout.resolve(gpu, [0, 1]) == (None, "the engines run on GPUs")
-    assert cpu_layout.resolve(config(cpu_cores="shared"), [0, 1]) == (
+    assert cpu_layout.for_local_cluster(gpu, [0, 1]) == (
+        None,
+        "the engines run on GPUs",
+    )
+    assert cpu_layout.for_local_cluster(config(cpu_cores="shared"), [0, 1]) == (
         None,
         "engine.cpu_cores is shared",
     )
