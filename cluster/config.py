@@ -678,7 +678,7 @@ class ServerConfig(_Strict):
         "the thread, 0.6-0.8 s without (`make bench-overload`). Handlers must not "
         "block (they do not).",
     )
-    engine_transport: Literal["grpc", "actor"] = Field(
+    engine_transport: Literal["grpc", "actor", "direct"] = Field(
         "grpc",
         description="How the ingress streams from an engine replica: over Ray "
         "Serve's gRPC transport for handle calls (one gRPC stream per request, "

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ from ray import serve
 from cluster import gc_pauses, tracing
 from cluster.config import ClusterConfig
 from cluster.loops import every
+from deployments.direct import DirectServer, Endpoint
 from deployments.engine import kv_events
 from deployments.engine.reporter import Reporter
 from deployments.engine.vllm_engine import VLLMEngine
@@ -43,12 +44,13 @@ logger = logging.getLogger("moe_cluster.engine")
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """Where a replica runs: Serve's replica id, its Ray node, and its gang (the EP
-    group's scheduling context; ``None`` outside one)."""
+    """Where a replica runs: Serve's replica id, its Ray node, its gang (the EP
+    group's scheduling context; ``None`` outside one) and the node's address."""
 
     replica_id: str
     node_id: str
     gang: Any = None
+    host: str = "127.0.0.1"  # the node's address, for direct streams
 
     @staticmethod
     def of_this_replica() -> Placement:
@@ -57,6 +59,7 @@ class Placement:
             context.replica_id.unique_id,
             ray.get_runtime_context().get_node_id(),
             getattr(context, "gang_context", None),
+            ray.util.get_node_ip_address(),
         )
 
 
@@ -144,6 +147,13 @@ class EngineServer:
             ]
         if config.kvstore.enabled:
             await self._warmup(config)
+        self._direct: DirectServer | None = None
+        if config.server.engine_transport == "direct":
+            self._direct = DirectServer(replica_id, self.generate, where.host)
+            endpoint_ = await self._direct.start()
+            logger.info(
+                "replica %s: direct streams at %s", replica_id, endpoint_.address
+            )
         if self._reporter is not None:
             # Serve adds the replica to the handles' sets once this returns (and
             # a health check passes); the ingress waits for a replica it was told
@@ -262,6 +272,11 @@ class EngineServer:
     async def abort(self, request_id: str) -> None:
         await self._engine.abort(request_id)
 
+    async def direct_endpoint(self, pin: Pin | None = None) -> Endpoint | None:
+        """Where this replica takes direct streams (``pin`` chose the replica; see
+        ``Pin``); None with another transport."""
+        return self._direct.endpoint if self._direct is not None else None
+
     async def stats(self, pin: Pin | None = None) -> EngineStats:
         """This replica's stats (``pin`` chose the replica; see ``Pin``)."""
         return self._engine.stats(self._node_id, self._group)
@@ -275,7 +290,29 @@ class EngineServer:
         report (``router.autoscaling.LoadSignals``); nothing before the first."""
         return dict(self._reporter.load) if self._reporter is not None else {}
 
-    def __del__(self) -> None:
+    def __del__(self) -> Awaitable[None] | None:
+        """Serve calls this when it stops the replica, after the requests it
+        counts have ended, and awaits what it returns. With direct streams
+        (which Serve does not count) that is their drain first."""
+        direct = getattr(self, "_direct", None)
+        if direct is not None and _loop_running():
+            self._direct = None
+            return self._close_after(direct)
+        self._close()
+        return None
+
+    async def _close_after(self, direct: DirectServer) -> None:
+        """Lets the direct streams finish or hand off (``_drain``), then closes."""
+        try:
+            if direct.in_flight:
+                self._draining(True)
+                if self._drain_task is not None:
+                    await asyncio.shield(self._drain_task)
+            await direct.stop(DIRECT_GRACE_S)  # the hand-offs' last events
+        finally:
+            self._close()
+
+    def _close(self) -> None:
         # Its loops first: a poll of an engine already shut down only logs noise.
         for task in getattr(self, "_tasks", ()):
             task.cancel()
@@ -293,6 +330,17 @@ class EngineServer:
 EngineDeployment = serve.deployment(name="Engine")(EngineServer)
 EXIT_DELAY_S = 0.5
 DRAIN_POLL_S = 0.1
+DIRECT_GRACE_S = 2.0
+
+
+def _loop_running() -> bool:
+    """Whether this thread runs an event loop (Serve's call; not the collector's
+    at the process's exit, where there is nothing to wait for)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _span_attributes(node_id: str, group: GroupRank | None) -> dict[str, Any]:

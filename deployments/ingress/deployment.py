@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import gc_pauses, tracing
 from cluster.config import ClusterConfig
+from deployments.direct import DirectStreams, Endpoint
 from deployments.ingress import grpc_api, kv_warm, openai_api, structured, validation
 from deployments.ingress.errors import CLIENT_ERRORS, ServiceError, Status, status_of
 from deployments.ingress.frontend import Credential, Frontend, ModelFacts
@@ -36,6 +37,7 @@ from deployments.protocol import (
     EngineEvent,
     EngineRequest,
     Finish,
+    Pin,
     TokenDelta,
     TokenLogprob,
     ToolCallDelta,
@@ -216,13 +218,29 @@ class Ingress:
             migration_limit=config.router.migration_limit,
         )
         self._router = router
+        transport = config.server.engine_transport
+        self._direct = (
+            DirectStreams(self._endpoint_of) if transport == "direct" else None
+        )
         gc_pauses.settle("ingress", freeze=False)  # Serve freezes it
 
     def _open_stream(self, request: EngineRequest) -> Any:
+        if self._direct is not None and request.replica_id:
+            # Placed by the router: straight to its replica, once its endpoint is
+            # known (its first requests go through Serve's handle meanwhile).
+            direct = self._direct.open(request, tracing.carrier())
+            if direct is not None:
+                return direct
         # _by_reference=False: Serve's gRPC transport (server.engine_transport).
         by_reference = self._config.server.engine_transport == "actor"
         stream = self._engine.options(stream=True, _by_reference=by_reference)
         return stream.generate.remote(request)
+
+    async def _endpoint_of(self, replica_id: str) -> Endpoint | None:
+        endpoint: Endpoint | None = await self._engine.direct_endpoint.remote(
+            Pin(replica_id)
+        )
+        return endpoint
 
     async def _engines_alive(self) -> bool:
         """Whether the app takes requests: an engine replica answers, and the

@@ -1,6 +1,7 @@
 """The ingress opens each engine stream over the transport
 ``server.engine_transport`` names: Serve's gRPC transport (``_by_reference=False``)
-by default, a Ray actor call (``_by_reference=True``) when set to ``actor``."""
+by default, a Ray actor call (``_by_reference=True``) when set to ``actor``, and a
+direct stream to the placed replica (``direct``) once its endpoint is known."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pydantic import ValidationError
 
 from cluster.config import ClusterConfig
 from deployments.ingress.deployment import Ingress
+from deployments.protocol import EngineRequest, Sampling
 from tests.deployments.test_app import config as _config
 
 
@@ -35,10 +37,30 @@ class _Handle:
         return "stream"
 
 
-def _open(config: ClusterConfig) -> _Handle:
+class _Direct:
+    """``DirectStreams``' surface: knows the endpoints of ``known``."""
+
+    def __init__(self, known: set[str]) -> None:
+        self.known = known
+        self.asked: list[str] = []
+
+    def open(self, request: EngineRequest, trace: dict[str, str]) -> str | None:
+        if request.replica_id in self.known:
+            return "direct"
+        self.asked.append(request.replica_id)
+        return None
+
+
+def _request(replica: str = "") -> EngineRequest:
+    return EngineRequest("r", (1,), Sampling(max_tokens=1), replica_id=replica)
+
+
+def _open(
+    config: ClusterConfig, request: EngineRequest | None = None, direct: Any = None
+) -> _Handle:
     handle = _Handle()
-    ingress = SimpleNamespace(_config=config, _engine=handle)
-    request = object()
+    ingress = SimpleNamespace(_config=config, _engine=handle, _direct=direct)
+    request = request or _request()
     assert Ingress.func_or_class._open_stream(ingress, request) == "stream"
     assert handle.sent == [request]
     return handle
@@ -57,3 +79,24 @@ def test_engine_streams_can_be_ray_actor_calls() -> None:
 def test_an_unknown_transport_is_refused_by_name() -> None:
     with pytest.raises(ValidationError, match="engine_transport"):
         _config(engine_transport="http")
+
+
+def test_direct_streams_go_straight_to_a_known_replica() -> None:
+    cfg = _config(engine_transport="direct")
+    handle, direct = _Handle(), _Direct({"replica-a"})
+    ingress = SimpleNamespace(_config=cfg, _engine=handle, _direct=direct)
+    placed = _request("replica-a")
+    assert Ingress.func_or_class._open_stream(ingress, placed) == "direct"
+    assert handle.sent == [] and direct.asked == []
+
+
+def test_until_its_endpoint_is_known_a_request_goes_through_serve() -> None:
+    # Placed on a replica the ingress has no endpoint for yet (it is asked for),
+    # or not placed at all (the router disabled): Serve's gRPC transport.
+    direct = _Direct(set())
+    cfg = _config(engine_transport="direct")
+    handle = _open(cfg, _request("replica-b"), direct)
+    assert handle.options_given == [{"stream": True, "_by_reference": False}]
+    assert direct.asked == ["replica-b"]
+    _open(cfg, _request(""), direct)
+    assert direct.asked == ["replica-b"]

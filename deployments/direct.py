@@ -1,0 +1,248 @@
+"""Engine streams straight from the ingress to the engine replica the router chose
+(``server.engine_transport: direct``), past Serve's handle.
+
+The DeepSeekRouter has already decided each request's replica, so the handle's
+work on the way (its router's own event loop and replica choice, the replica's
+request bookkeeping and its hand-over to the user code's thread) adds only
+latency. Here the engine replica serves one gRPC method on the event loop its
+engine runs on, and the ingress calls it on its own: one process hop each way.
+
+- **Wire.** ``moecluster.engine.v1.Direct/Generate``, unary-stream. The request is
+  a pickled ``EngineRequest``; each response message one pickled ``EngineEvent``
+  (tag ``E``) or, last, the exception the replica's stream raised (tag ``X``),
+  which the ingress raises again as it is: ``RequestRejected`` stays the client's
+  error. The trace context travels in the call's metadata.
+- **Trust.** Each replica draws a random token when its server starts, and a
+  call without it is refused before its request is unpickled. The ingress gets
+  replica's address and token from the replica itself, through Serve
+  (``EngineServer.direct_endpoint``), the first time the router places a request
+  there; that request, and any while the answer is on its way, go through
+  Serve's handle as before.
+- **Failures.** A call that fails (the replica died, its server stopped) raises
+  ``DirectStreamFailed``, which the ingress treats as any engine failure: retried
+  elsewhere before output, resumed elsewhere after it. The replica's address is
+  forgotten, and asked for again when the router next places a request there.
+- **Shutdown.** Serve waits only for the calls it counts, so the replica waits for
+  its direct streams itself (its drain, then a hand-off) before its engine stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import pickle
+import secrets
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from opentelemetry import context as otel_context
+
+from cluster import tracing
+from deployments.protocol import EngineEvent, EngineRequest
+
+logger = logging.getLogger("moe_cluster.direct")
+
+SERVICE = "moecluster.engine.v1.Direct"
+GENERATE = f"/{SERVICE}/Generate"
+TOKEN_KEY = "x-moe-direct-token"
+_EVENT, _ERROR = b"E", b"X"
+# Requests carry whole prompts (and tool schemas): up to the ingress's own limits.
+MAX_MESSAGE_BYTES = 256 << 20
+_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+# Channels the ingress keeps open (one per replica it streamed to); the oldest
+# beyond this is closed (replicas come and go over a long run).
+CHANNELS_KEPT = 256
+ASK_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """Where an engine replica takes direct streams."""
+
+    replica_id: str
+    address: str  # host:port
+    token: str
+
+
+class DirectStreamFailed(Exception):
+    """A direct stream's call failed (the replica, its server or the network): an
+    engine failure, as a failed Serve call is."""
+
+
+def _frame_error(e: BaseException) -> bytes:
+    try:
+        return _ERROR + pickle.dumps(e, protocol=5)
+    except Exception:  # an exception that does not pickle: its type and text
+        return _ERROR + pickle.dumps(RuntimeError(f"{type(e).__name__}: {e}"))
+
+
+class DirectServer:
+    """The engine replica's side: serves ``generate`` on the running event loop."""
+
+    def __init__(
+        self,
+        replica_id: str,
+        generate: Callable[[EngineRequest], AsyncIterator[EngineEvent]],
+        host: str,
+    ) -> None:
+        self._replica_id = replica_id
+        self._generate = generate
+        self._host = host
+        self._token = secrets.token_hex(16)
+        self._server: grpc.aio.Server | None = None
+        self.endpoint: Endpoint | None = None
+        self.in_flight = 0
+
+    async def start(self) -> Endpoint:
+        server = grpc.aio.server(options=_OPTIONS)
+        handler = grpc.unary_stream_rpc_method_handler(self._handle)
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE, {"Generate": handler}),)
+        )
+        port = server.add_insecure_port(f"{self._host}:0")
+        if not port:
+            raise RuntimeError(f"direct streams: cannot listen on {self._host}")
+        await server.start()
+        self._server = server
+        self.endpoint = Endpoint(self._replica_id, f"{self._host}:{port}", self._token)
+        return self.endpoint
+
+    async def stop(self, grace_s: float) -> None:
+        """Stops taking calls; those running get ``grace_s`` to end."""
+        if self._server is not None:
+            await self._server.stop(grace_s)
+            self._server = None
+
+    async def _handle(
+        self, raw: bytes, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        metadata = {k: v for k, v in context.invocation_metadata() or ()}
+        token = metadata.get(TOKEN_KEY, "")
+        if not isinstance(token, str) or not hmac.compare_digest(token, self._token):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "bad token")
+        request = pickle.loads(raw)
+        if not isinstance(request, EngineRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "not a request")
+        parent = tracing.context_of({k: str(v) for k, v in metadata.items()})
+        attached = otel_context.attach(parent) if parent is not None else None
+        self.in_flight += 1
+        try:
+            async for event in self._generate(request):
+                yield _EVENT + pickle.dumps(event, protocol=5)
+        except Exception as e:
+            yield _frame_error(e)
+        finally:
+            self.in_flight -= 1
+            if attached is not None:
+                otel_context.detach(attached)
+
+
+class DirectStream:
+    """One request's stream from a replica (``EngineStream``)."""
+
+    def __init__(self, call: Any, replica_id: str, on_failed: Callable[[], None]):
+        self._call = call
+        self._replica_id = replica_id
+        self._on_failed = on_failed
+        self._cancelled = False
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._call.cancel()
+
+    async def __aiter__(self) -> AsyncIterator[EngineEvent]:
+        from ray.serve.exceptions import RequestCancelledError
+
+        try:
+            async for frame in self._call:
+                body = pickle.loads(memoryview(frame)[1:])
+                if frame[:1] == _ERROR:
+                    raise body
+                yield body
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+            if self._cancelled:  # as a cancelled Serve call ends
+                raise RequestCancelledError() from None
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            self._on_failed()
+            raise DirectStreamFailed(
+                f"direct stream from replica {self._replica_id}: "
+                f"{e.code().name} {e.details() or ''}".rstrip()
+            ) from None
+        finally:
+            if not self._call.done():
+                self._call.cancel()
+
+
+class DirectStreams:
+    """The ingress's side: opens direct streams to the replicas whose endpoints it
+    knows, and asks for the others' (``ask``: the replica's answer through
+    Serve, None where it serves none)."""
+
+    def __init__(self, ask: Callable[[str], Awaitable[Endpoint | None]]) -> None:
+        self._ask = ask
+        self._known: OrderedDict[str, tuple[Endpoint, grpc.aio.Channel]] = OrderedDict()
+        self._asking: dict[str, asyncio.Task[None]] = {}
+
+    def open(
+        self, request: EngineRequest, trace: dict[str, str]
+    ) -> DirectStream | None:
+        """A direct stream for ``request`` (placed by the router), or None when its
+        replica's endpoint is not known yet (it is asked for, for the next)."""
+        rid = request.replica_id
+        known = self._known.get(rid) if rid else None
+        if known is None:
+            if rid and rid not in self._asking:
+                task = asyncio.get_running_loop().create_task(self._learn(rid))
+                self._asking[rid] = task
+            return None
+        self._known.move_to_end(rid)
+        endpoint, channel = known
+        call = channel.unary_stream(GENERATE)(
+            pickle.dumps(request, protocol=5),
+            metadata=((TOKEN_KEY, endpoint.token), *trace.items()),
+        )
+        return DirectStream(call, rid, lambda: self.forget(rid, endpoint))
+
+    async def _learn(self, replica_id: str) -> None:
+        try:
+            endpoint = await asyncio.wait_for(self._ask(replica_id), ASK_TIMEOUT_S)
+            if endpoint is None or endpoint.replica_id != replica_id:
+                return  # it serves none, or it left and another answered
+            channel = grpc.aio.insecure_channel(endpoint.address, options=_OPTIONS)
+            self._known[replica_id] = (endpoint, channel)
+            while len(self._known) > CHANNELS_KEPT:
+                _, (_, oldest) = self._known.popitem(last=False)
+                asyncio.get_running_loop().create_task(oldest.close())
+        except Exception as e:
+            logger.info("no direct endpoint for replica %s yet: %r", replica_id, e)
+        finally:
+            self._asking.pop(replica_id, None)
+
+    def forget(self, replica_id: str, endpoint: Endpoint | None = None) -> None:
+        """Drops a replica's endpoint (its call failed); asked for again on its
+        next request."""
+        known = self._known.get(replica_id)
+        if known is None or (endpoint is not None and known[0] != endpoint):
+            return
+        del self._known[replica_id]
+        with contextlib.suppress(RuntimeError):  # no running loop
+            asyncio.get_running_loop().create_task(known[1].close())
+
+    def known(self) -> list[str]:
+        return list(self._known)
+
+    async def close(self) -> None:
+        for task in list(self._asking.values()):
+            task.cancel()
+        for _, channel in self._known.values():
+            await channel.close()
+        self._known.clear()

@@ -1,0 +1,189 @@
+"""Direct streams (``server.engine_transport: direct``): an engine replica's gRPC
+server and the ingress's client, over a real socket, on a scripted engine."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+from typing import Any
+
+import grpc
+import pytest
+from ray.serve.exceptions import RequestCancelledError
+
+from deployments import direct
+from deployments.direct import DirectStreamFailed, DirectStreams, Endpoint
+from deployments.engine.deployment import EngineServer
+from deployments.protocol import (
+    EngineRequest,
+    Finish,
+    HandOff,
+    RequestRejected,
+    Sampling,
+    Started,
+    TokenDelta,
+)
+from tests.deployments.engine.fakes import FakeAsyncLLM, Step
+from tests.deployments.engine.test_deployment import config, start
+from tests.waiting import until
+
+STEPS = [Step([1], "a"), Step([2], "b"), Step([3], "c", finish="length")]
+
+
+def direct_config(**sections: Any) -> Any:
+    return config(server={"engine_transport": "direct"}, **sections)
+
+
+def request(rid: str = "r1", replica: str = "replica-a") -> EngineRequest:
+    return EngineRequest(rid, (1, 2, 3), Sampling(max_tokens=3), replica_id=replica)
+
+
+async def streams_to(server: EngineServer) -> DirectStreams:
+    """An ingress's client that knows ``server``'s endpoint."""
+    asked: list[str] = []
+
+    async def ask(replica_id: str) -> Endpoint | None:
+        asked.append(replica_id)
+        return await server.direct_endpoint()
+
+    streams = DirectStreams(ask)
+    assert streams.open(request(), {}) is None  # unknown: asked for, not waited on
+    await until(lambda: streams.known() == ["replica-a"], "the endpoint")
+    assert asked == ["replica-a"]
+    return streams
+
+
+async def test_events_arrive_as_the_replica_yields_them() -> None:
+    server = await start(direct_config(), FakeAsyncLLM(list(STEPS)))
+    streams = await streams_to(server)
+    stream = streams.open(request(), {})
+    assert stream is not None
+    seen = [e async for e in stream]
+    assert seen[0] == Started("replica-a")
+    deltas = [e.token_ids for e in seen if isinstance(e, TokenDelta)]
+    assert deltas == [(1,), (2,), (3,)]
+    assert isinstance(seen[-1], Finish) and seen[-1].reason == "length"
+    # What a call through Serve would have carried: the replica's own stream.
+    assert seen == [e async for e in server.generate(request("r2"))]
+    await streams.close()
+    await server.__del__()  # type: ignore[misc]
+
+
+async def test_without_direct_transport_the_replica_serves_no_endpoint() -> None:
+    server = await start(config(), FakeAsyncLLM())
+    assert await server.direct_endpoint() is None
+    assert server.__del__() is None
+
+
+async def test_an_endpoint_from_another_replica_is_not_kept() -> None:
+    server = await start(direct_config(), FakeAsyncLLM(list(STEPS)))
+
+    async def ask(replica_id: str) -> Endpoint | None:
+        return await server.direct_endpoint()  # replica-a answers for replica-b
+
+    streams = DirectStreams(ask)
+    assert streams.open(request(replica="replica-b"), {}) is None
+    await asyncio.sleep(0.2)
+    assert streams.known() == []
+    await server.__del__()  # type: ignore[misc]
+
+
+async def test_a_call_without_the_token_is_refused_before_it_is_read() -> None:
+    server = await start(direct_config(), FakeAsyncLLM(list(STEPS)))
+    endpoint = await server.direct_endpoint()
+    assert endpoint is not None
+    async with grpc.aio.insecure_channel(endpoint.address) as channel:
+        call = channel.unary_stream(direct.GENERATE)(
+            b"not a pickle", metadata=((direct.TOKEN_KEY, "guess"),)
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async for _ in call:
+                pass
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    await server.__del__()  # type: ignore[misc]
+
+
+async def test_the_replicas_error_is_raised_at_the_ingress_as_it_was() -> None:
+    from vllm.exceptions import VLLMValidationError
+
+    failure = VLLMValidationError("bad top_k", parameter="top_k")
+    llm = FakeAsyncLLM(list(STEPS), fail_after=0, failure=failure)
+    server = await start(direct_config(), llm)
+    streams = await streams_to(server)
+    stream = streams.open(request(), {})
+    assert stream is not None
+    with pytest.raises(RequestRejected) as e:
+        async for _ in stream:
+            pass
+    assert e.value.parameter == "top_k"
+    assert streams.known() == ["replica-a"]  # the client's error, not the replica's
+    await server.__del__()  # type: ignore[misc]
+
+
+async def test_a_cancelled_stream_aborts_its_engine_request() -> None:
+    hold = asyncio.Event()
+    llm = FakeAsyncLLM(list(STEPS), hold=hold)
+    server = await start(direct_config(), llm)
+    streams = await streams_to(server)
+    stream = streams.open(request(), {})
+    assert stream is not None
+    events = aiter(stream)
+    assert await anext(events) == Started("replica-a")
+    assert isinstance(await anext(events), TokenDelta)  # then it waits on hold
+    stream.cancel()
+    with pytest.raises(RequestCancelledError):
+        await anext(events)
+    await until(lambda: llm.aborted == ["r1"], "the abort")
+    await server.__del__()  # type: ignore[misc]
+
+
+async def test_a_replica_gone_fails_the_stream_and_is_forgotten() -> None:
+    server = await start(direct_config(), FakeAsyncLLM(list(STEPS)))
+    streams = await streams_to(server)
+    assert server._direct is not None
+    await server._direct.stop(0)  # as when its process died
+    stream = streams.open(request(), {})
+    assert stream is not None
+    with pytest.raises(DirectStreamFailed, match="replica-a: UNAVAILABLE"):
+        async for _ in stream:
+            pass
+    await until(lambda: streams.known() == [], "the endpoint forgotten")
+    assert streams.open(request(), {}) is None  # asked for again
+    await streams.close()
+    await server.__del__()  # type: ignore[misc]
+
+
+async def test_shutdown_waits_for_direct_streams_and_hands_off_the_rest() -> None:
+    # Serve waits only for the calls it counts; the replica waits for its own.
+    hold = asyncio.Event()
+    llm = FakeAsyncLLM(list(STEPS), hold=hold)
+    server = await start(direct_config(deployment={"drain_timeout_s": 0.3}), llm)
+    streams = await streams_to(server)
+    stream = streams.open(request(), {})
+    assert stream is not None
+    seen: list[Any] = []
+
+    async def read() -> None:
+        async for event in stream:
+            seen.append(event)
+
+    reading = asyncio.create_task(read())
+    # Started, its first token; then it waits.
+    await until(lambda: len(seen) == 2, "the first token")
+    closing = asyncio.create_task(server.__del__())  # type: ignore[arg-type]
+    await asyncio.sleep(0.1)
+    assert not llm.shut_down  # the stream still has its drain timeout
+    await asyncio.wait_for(reading, 5)
+    assert seen[-1] == HandOff("replica-a")
+    await asyncio.wait_for(closing, 5)
+    assert llm.shut_down
+    assert await server.direct_endpoint() is None
+
+
+def test_an_unpicklable_error_still_reaches_the_ingress() -> None:
+    class Local(Exception):  # not importable by name: does not pickle
+        pass
+
+    frame = direct._frame_error(Local("boom"))
+    error = pickle.loads(frame[1:])
+    assert isinstance(error, RuntimeError) and "Local: boom" in str(error)
