@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hmac
 import logging
 import pickle
@@ -201,7 +202,12 @@ class DirectStreams:
         known = self._known.get(rid) if rid else None
         if known is None:
             if rid and rid not in self._asking:
-                task = asyncio.get_running_loop().create_task(self._learn(rid))
+                # A context of its own, not the request's: Serve ties a handle
+                # call made in a request's context to that request, and such a
+                # call here went unanswered past the request's end.
+                task = asyncio.get_running_loop().create_task(
+                    self._learn(rid), context=contextvars.Context()
+                )
                 self._asking[rid] = task
             return None
         self._known.move_to_end(rid)
