@@ -678,16 +678,21 @@ class ServerConfig(_Strict):
         "the thread, 0.6-0.8 s without (`make bench-overload`). Handlers must not "
         "block (they do not).",
     )
-    engine_transport: Literal["grpc", "actor", "direct"] = Field(
-        "grpc",
-        description="How the ingress streams from an engine replica: over Ray "
-        "Serve's gRPC transport for handle calls (one gRPC stream per request, "
-        "straight to the replica's own server) or as a Ray actor call (each "
-        "streamed chunk an object reported through Ray's core workers). On 2 cores "
-        "under S1 gRPC took the ingress's CPU per request from 31-34 ms to 19-20 ms "
-        "at one stream and the engine replica's from 80-85 ms to 59-64 ms, and "
-        "output rose from 118-132 to 145-152 tok/s (`python -m "
-        "tests.perf.s1_profile`, two runs each).",
+    engine_transport: Literal["direct", "grpc", "actor"] = Field(
+        "direct",
+        description="How the ingress streams from an engine replica. `direct`: "
+        "straight to the replica the router placed the request on, over a gRPC "
+        "server that replica runs on its engine's event loop, past Serve's handle "
+        "(a replica's first requests, while the ingress asks for its address, go "
+        "over `grpc`). `grpc`: Ray Serve's gRPC transport for handle calls (one "
+        "gRPC stream per request to the replica's Serve server, through the "
+        "handle's router and the replica's request bookkeeping). `actor`: a Ray "
+        "actor call (each streamed chunk an object reported through Ray's core "
+        "workers). On 2 cores under S1 (`python -m tests.perf.s1_profile`), "
+        "`grpc` took the ingress's CPU per request from 31-34 ms to 19-20 ms at one "
+        "stream against `actor`; `direct` took it from 22-23 ms to 17-18 ms and "
+        "the engine replica's from 47-52 to 38-41 ms against `grpc`, and TTFT p50 "
+        "from 40 to 36 ms.",
     )
     haproxy: bool = Field(
         False,

@@ -108,12 +108,13 @@ class DirectServer:
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE, {"Generate": handler}),)
         )
-        port = server.add_insecure_port(f"{self._host}:0")
+        host = f"[{self._host}]" if ":" in self._host else self._host  # IPv6
+        port = server.add_insecure_port(f"{host}:0")
         if not port:
-            raise RuntimeError(f"direct streams: cannot listen on {self._host}")
+            raise RuntimeError(f"direct streams: cannot listen on {host}")
         await server.start()
         self._server = server
-        self.endpoint = Endpoint(self._replica_id, f"{self._host}:{port}", self._token)
+        self.endpoint = Endpoint(self._replica_id, f"{host}:{port}", self._token)
         return self.endpoint
 
     async def stop(self, grace_s: float) -> None:

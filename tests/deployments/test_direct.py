@@ -70,7 +70,7 @@ async def test_events_arrive_as_the_replica_yields_them() -> None:
 
 
 async def test_without_direct_transport_the_replica_serves_no_endpoint() -> None:
-    server = await start(config(), FakeAsyncLLM())
+    server = await start(config(server={"engine_transport": "grpc"}), FakeAsyncLLM())
     assert await server.direct_endpoint() is None
     assert server.__del__() is None
 

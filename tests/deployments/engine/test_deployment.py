@@ -24,7 +24,12 @@ HERE = Placement("replica-a", "node-1")
 
 
 def config(**sections: Any) -> ClusterConfig:
-    base: dict[str, Any] = {"router": {"enabled": False}, "kvstore": {"enabled": False}}
+    # Serve's transport: no direct-stream server (tests/deployments/test_direct.py).
+    base: dict[str, Any] = {
+        "router": {"enabled": False},
+        "kvstore": {"enabled": False},
+        "server": {"engine_transport": "grpc"},
+    }
     return ClusterConfig.model_validate(base | sections)
 
 
@@ -47,6 +52,13 @@ async def start(cfg: ClusterConfig, llm: FakeAsyncLLM, **kw: Any) -> EngineServe
     return server
 
 
+async def stop(server: EngineServer) -> None:
+    """As Serve stops a replica: ``__del__``, awaiting what it returns."""
+    closing = server.__del__()  # type: ignore[func-returns-value]
+    if closing is not None:
+        await closing
+
+
 async def test_without_router_or_store_the_engine_starts_alone() -> None:
     llm = FakeAsyncLLM()
     server = await start(config(), llm)
@@ -56,7 +68,7 @@ async def test_without_router_or_store_the_engine_starts_alone() -> None:
     assert [t.get_name() for t in server._tasks] == ["metrics"]
     stats = await server.stats()
     assert (stats.replica_id, stats.node_id, stats.group) == ("replica-a", "node-1", "")
-    server.__del__()
+    await stop(server)
     assert llm.shut_down
 
 
@@ -142,7 +154,7 @@ async def test_a_stopping_replica_hands_off_what_outlives_its_drain_timeout() ->
     await _events(server, "late", late)
     assert late == [HandOff("replica-a")]
     assert [c[2] for c in llm.calls if len(c) == 4] == ["r1"]
-    server.__del__()
+    await stop(server)
 
 
 async def test_streams_that_finish_within_the_drain_timeout_are_not_handed_off() -> (
@@ -164,7 +176,7 @@ async def test_streams_that_finish_within_the_drain_timeout_are_not_handed_off()
     await asyncio.sleep(0.2)  # the drain saw it idle and handed off nothing
     assert server._drain_task is not None and server._drain_task.done()
     assert llm.aborted == []
-    server.__del__()
+    await stop(server)
 
 
 async def test_a_replica_serve_keeps_after_all_stops_draining() -> None:
@@ -175,4 +187,4 @@ async def test_a_replica_serve_keeps_after_all_stops_draining() -> None:
     await asyncio.sleep(0)
     assert task is not None and task.cancelled() and server._drain_task is None
     assert [e async for e in server.generate(EngineRequest("r", (1,), Sampling(1)))]
-    server.__del__()
+    await stop(server)

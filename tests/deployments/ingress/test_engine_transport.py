@@ -1,7 +1,8 @@
 """The ingress opens each engine stream over the transport
 ``server.engine_transport`` names: Serve's gRPC transport (``_by_reference=False``)
-by default, a Ray actor call (``_by_reference=True``) when set to ``actor``, and a
-direct stream to the placed replica (``direct``) once its endpoint is known."""
+when set to ``grpc``, a Ray actor call (``_by_reference=True``) when set to
+``actor``, and by default (``direct``) a stream straight to the placed replica once
+its endpoint is known, Serve's gRPC transport until then."""
 
 from __future__ import annotations
 
@@ -66,9 +67,10 @@ def _open(
     return handle
 
 
-def test_engine_streams_go_over_serves_grpc_transport_by_default() -> None:
-    assert _config().server.engine_transport == "grpc"
-    assert _open(_config()).options_given == [{"stream": True, "_by_reference": False}]
+def test_engine_streams_can_go_over_serves_grpc_transport() -> None:
+    assert _config().server.engine_transport == "direct"
+    handle = _open(_config(engine_transport="grpc"), _request("replica-a"))
+    assert handle.options_given == [{"stream": True, "_by_reference": False}]
 
 
 def test_engine_streams_can_be_ray_actor_calls() -> None:
