@@ -14,7 +14,7 @@ engine runs on, and the ingress calls it on its own: one process hop each way.
   error. The trace context travels in the call's metadata.
 - **Trust.** Each replica draws a random token when its server starts, and a
   call without it is refused before its request is unpickled. The ingress gets
-  replica's address and token from the replica itself, through Serve
+  the replica's address and token from the replica itself, through Serve
   (``EngineServer.direct_endpoint``), the first time the router places a request
   there; that request, and any while the answer is on its way, go through
   Serve's handle as before.
@@ -192,6 +192,9 @@ class DirectStreams:
     def __init__(self, ask: Callable[[str], Awaitable[Endpoint | None]]) -> None:
         self._ask = ask
         self._known: OrderedDict[str, tuple[Endpoint, grpc.aio.Channel]] = OrderedDict()
+        # Replicas that answered they take no direct streams (another transport
+        # configured there, or their server could not start): not asked again.
+        self._without: OrderedDict[str, None] = OrderedDict()
         self._asking: dict[str, asyncio.Task[None]] = {}
 
     def open(
@@ -202,7 +205,7 @@ class DirectStreams:
         rid = request.replica_id
         known = self._known.get(rid) if rid else None
         if known is None:
-            if rid and rid not in self._asking:
+            if rid and rid not in self._asking and rid not in self._without:
                 # A context of its own, not the request's: Serve ties a handle
                 # call made in a request's context to that request, and such a
                 # call here went unanswered past the request's end.
@@ -222,8 +225,13 @@ class DirectStreams:
     async def _learn(self, replica_id: str) -> None:
         try:
             endpoint = await asyncio.wait_for(self._ask(replica_id), ASK_TIMEOUT_S)
-            if endpoint is None or endpoint.replica_id != replica_id:
-                return  # it serves none, or it left and another answered
+            if endpoint is None:  # it serves none: Serve's handle it is
+                self._without[replica_id] = None
+                while len(self._without) > CHANNELS_KEPT:
+                    self._without.popitem(last=False)
+                return
+            if endpoint.replica_id != replica_id:
+                return  # it left, and another replica answered
             channel = grpc.aio.insecure_channel(endpoint.address, options=_OPTIONS)
             self._known[replica_id] = (endpoint, channel)
             while len(self._known) > CHANNELS_KEPT:

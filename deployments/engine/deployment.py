@@ -149,11 +149,7 @@ class EngineServer:
             await self._warmup(config)
         self._direct: DirectServer | None = None
         if config.server.engine_transport == "direct":
-            self._direct = DirectServer(replica_id, self.generate, where.host)
-            endpoint_ = await self._direct.start()
-            logger.info(
-                "replica %s: direct streams at %s", replica_id, endpoint_.address
-            )
+            self._direct = await _direct_server(replica_id, self.generate, where.host)
         if self._reporter is not None:
             # Serve adds the replica to the handles' sets once this returns (and
             # a health check passes); the ingress waits for a replica it was told
@@ -331,6 +327,27 @@ EngineDeployment = serve.deployment(name="Engine")(EngineServer)
 EXIT_DELAY_S = 0.5
 DRAIN_POLL_S = 0.1
 DIRECT_GRACE_S = 2.0
+
+
+async def _direct_server(
+    replica_id: str,
+    generate: Callable[[EngineRequest], AsyncIterator[EngineEvent]],
+    host: str,
+) -> DirectServer | None:
+    """The replica's direct-stream server, started; None (its streams then go
+    through Serve's handle) where it cannot listen."""
+    server = DirectServer(replica_id, generate, host)
+    try:
+        endpoint = await server.start()
+    except Exception as e:
+        logger.warning(
+            "replica %s takes no direct streams (%r): they go through Serve",
+            replica_id,
+            e,
+        )
+        return None
+    logger.info("replica %s: direct streams at %s", replica_id, endpoint.address)
+    return server
 
 
 def _loop_running() -> bool:

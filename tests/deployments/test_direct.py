@@ -13,7 +13,7 @@ from ray.serve.exceptions import RequestCancelledError
 
 from deployments import direct
 from deployments.direct import DirectStreamFailed, DirectStreams, Endpoint
-from deployments.engine.deployment import EngineServer
+from deployments.engine.deployment import EngineServer, Placement
 from deployments.protocol import (
     EngineRequest,
     Finish,
@@ -24,7 +24,7 @@ from deployments.protocol import (
     TokenDelta,
 )
 from tests.deployments.engine.fakes import FakeAsyncLLM, Step
-from tests.deployments.engine.test_deployment import config, start
+from tests.deployments.engine.test_deployment import ScriptedEngine, config, start
 from tests.waiting import until
 
 STEPS = [Step([1], "a"), Step([2], "b"), Step([3], "c", finish="length")]
@@ -72,6 +72,35 @@ async def test_events_arrive_as_the_replica_yields_them() -> None:
 async def test_without_direct_transport_the_replica_serves_no_endpoint() -> None:
     server = await start(config(server={"engine_transport": "grpc"}), FakeAsyncLLM())
     assert await server.direct_endpoint() is None
+    assert server.__del__() is None
+
+
+async def test_a_replica_without_direct_streams_is_asked_once() -> None:
+    asked: list[str] = []
+
+    async def ask(replica_id: str) -> Endpoint | None:
+        asked.append(replica_id)
+        return None  # another transport configured there
+
+    streams = DirectStreams(ask)
+    assert streams.open(request(), {}) is None
+    await until(lambda: asked == ["replica-a"], "the question")
+    await asyncio.sleep(0.05)
+    assert streams.open(request(), {}) is None  # Serve's handle, not asked again
+    await asyncio.sleep(0.05)
+    assert asked == ["replica-a"] and streams.known() == []
+
+
+async def test_a_replica_that_cannot_listen_serves_through_serve() -> None:
+    ScriptedEngine.llm = FakeAsyncLLM(list(STEPS))
+    server = EngineServer.__new__(EngineServer)
+    away = Placement("replica-a", "node-1", host="203.0.113.1")  # not this host's
+    await server.__init__(  # type: ignore[misc]
+        direct_config(), engine_cls=ScriptedEngine, placement=away
+    )
+    assert await server.direct_endpoint() is None
+    events = [e async for e in server.generate(request())]
+    assert events[0] == Started("replica-a") and isinstance(events[-1], Finish)
     assert server.__del__() is None
 
 
