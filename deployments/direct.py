@@ -42,6 +42,7 @@ from typing import Any
 
 import grpc
 from opentelemetry import context as otel_context
+from ray.serve.exceptions import RequestCancelledError
 
 from cluster import tracing
 from deployments.protocol import EngineEvent, EngineRequest
@@ -161,8 +162,6 @@ class DirectStream:
         self._call.cancel()
 
     async def __aiter__(self) -> AsyncIterator[EngineEvent]:
-        from ray.serve.exceptions import RequestCancelledError
-
         try:
             async for frame in self._call:
                 body = pickle.loads(memoryview(frame)[1:])

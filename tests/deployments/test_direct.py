@@ -24,7 +24,12 @@ from deployments.protocol import (
     TokenDelta,
 )
 from tests.deployments.engine.fakes import FakeAsyncLLM, Step
-from tests.deployments.engine.test_deployment import ScriptedEngine, config, start
+from tests.deployments.engine.test_deployment import (
+    ScriptedEngine,
+    config,
+    start,
+    stop,
+)
 from tests.waiting import until
 
 STEPS = [Step([1], "a"), Step([2], "b"), Step([3], "c", finish="length")]
@@ -66,7 +71,7 @@ async def test_events_arrive_as_the_replica_yields_them() -> None:
     # What a call through Serve would have carried: the replica's own stream.
     assert seen == [e async for e in server.generate(request("r2"))]
     await streams.close()
-    await server.__del__()  # type: ignore[misc]
+    await stop(server)
 
 
 async def test_without_direct_transport_the_replica_serves_no_endpoint() -> None:
@@ -114,7 +119,7 @@ async def test_an_endpoint_from_another_replica_is_not_kept() -> None:
     assert streams.open(request(replica="replica-b"), {}) is None
     await asyncio.sleep(0.2)
     assert streams.known() == []
-    await server.__del__()  # type: ignore[misc]
+    await stop(server)
 
 
 async def test_a_call_without_the_token_is_refused_before_it_is_read() -> None:
@@ -129,7 +134,7 @@ async def test_a_call_without_the_token_is_refused_before_it_is_read() -> None:
             async for _ in call:
                 pass
     assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    await server.__del__()  # type: ignore[misc]
+    await stop(server)
 
 
 async def test_the_replicas_error_is_raised_at_the_ingress_as_it_was() -> None:
@@ -146,7 +151,7 @@ async def test_the_replicas_error_is_raised_at_the_ingress_as_it_was() -> None:
             pass
     assert e.value.parameter == "top_k"
     assert streams.known() == ["replica-a"]  # the client's error, not the replica's
-    await server.__del__()  # type: ignore[misc]
+    await stop(server)
 
 
 async def test_a_cancelled_stream_aborts_its_engine_request() -> None:
@@ -163,7 +168,7 @@ async def test_a_cancelled_stream_aborts_its_engine_request() -> None:
     with pytest.raises(RequestCancelledError):
         await anext(events)
     await until(lambda: llm.aborted == ["r1"], "the abort")
-    await server.__del__()  # type: ignore[misc]
+    await stop(server)
 
 
 async def test_a_replica_gone_fails_the_stream_and_is_forgotten() -> None:
@@ -179,7 +184,7 @@ async def test_a_replica_gone_fails_the_stream_and_is_forgotten() -> None:
     await until(lambda: streams.known() == [], "the endpoint forgotten")
     assert streams.open(request(), {}) is None  # asked for again
     await streams.close()
-    await server.__del__()  # type: ignore[misc]
+    await stop(server)
 
 
 async def test_shutdown_waits_for_direct_streams_and_hands_off_the_rest() -> None:
@@ -199,7 +204,7 @@ async def test_shutdown_waits_for_direct_streams_and_hands_off_the_rest() -> Non
     reading = asyncio.create_task(read())
     # Started, its first token; then it waits.
     await until(lambda: len(seen) == 2, "the first token")
-    closing = asyncio.create_task(server.__del__())  # type: ignore[arg-type]
+    closing = asyncio.create_task(stop(server))
     await asyncio.sleep(0.1)
     assert not llm.shut_down  # the stream still has its drain timeout
     await asyncio.wait_for(reading, 5)
