@@ -20,8 +20,10 @@ engine runs on, and the ingress calls it on its own: one process hop each way.
   Serve's handle as before.
 - **Failures.** A call that fails (the replica died, its server stopped) raises
   ``DirectStreamFailed``, which the ingress treats as any engine failure: retried
-  elsewhere before output, resumed elsewhere after it. The replica's address is
-  forgotten, and asked for again when the router next places a request there.
+  elsewhere before output, resumed elsewhere after it. Where the replica is
+  unreachable (``UNAVAILABLE``), its address is forgotten (and its channel, with
+  the replica's other streams on it, closed), and asked for again when the
+  router next places a request there.
 - **Shutdown.** Serve waits only for the calls it counts, so the replica waits for
   its direct streams itself (its drain, then a hand-off) before its engine stops.
 """
@@ -173,7 +175,10 @@ class DirectStream:
                 raise RequestCancelledError() from None
             if isinstance(e, asyncio.CancelledError):
                 raise
-            self._on_failed()
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                # The replica is unreachable: its channel, which the replica's
+                # other streams share, goes. Any other code failed this call only.
+                self._on_failed()
             raise DirectStreamFailed(
                 f"direct stream from replica {self._replica_id}: "
                 f"{e.code().name} {e.details() or ''}".rstrip()

@@ -4,6 +4,7 @@ server and the ingress's client, over a real socket, on a scripted engine."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import pickle
 from typing import Any
 
@@ -183,6 +184,27 @@ async def test_a_replica_gone_fails_the_stream_and_is_forgotten() -> None:
             pass
     await until(lambda: streams.known() == [], "the endpoint forgotten")
     assert streams.open(request(), {}) is None  # asked for again
+    await streams.close()
+    await stop(server)
+
+
+async def test_a_failure_of_one_call_keeps_the_replicas_channel() -> None:
+    server = await start(direct_config(), FakeAsyncLLM(list(STEPS)))
+    streams = await streams_to(server)
+    endpoint = await server.direct_endpoint()
+    assert endpoint is not None
+    # A call its replica refuses (here: without its token) fails alone.
+    streams._known["replica-a"] = (
+        dataclasses.replace(endpoint, token="stale"),
+        streams._known["replica-a"][1],
+    )
+    stream = streams.open(request(), {})
+    assert stream is not None
+    with pytest.raises(DirectStreamFailed, match="PERMISSION_DENIED"):
+        async for _ in stream:
+            pass
+    await asyncio.sleep(0.05)
+    assert streams.known() == ["replica-a"]
     await streams.close()
     await stop(server)
 
