@@ -62,7 +62,8 @@ _OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
 # Channels the ingress keeps open (one per replica it streamed to); the oldest
-# beyond this is closed (replicas come and go over a long run).
+# beyond this is dropped (replicas come and go over a long run), and closes once
+# the streams still open on it have ended.
 CHANNELS_KEPT = 256
 ASK_TIMEOUT_S = 10.0
 
@@ -150,18 +151,69 @@ class DirectServer:
                 otel_context.detach(attached)
 
 
+class _Channel:
+    """A replica's channel and the streams open on it. Dropped (the oldest past
+    ``CHANNELS_KEPT``, or its replica unreachable), it closes once the last of
+    them ends: a stream is never cut because its channel was let go."""
+
+    __slots__ = ("channel", "closed", "dropped", "streams")
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.channel = channel
+        self.streams = 0
+        self.dropped = False
+        self.closed = False
+
+    def ended(self) -> None:
+        self.streams -= 1
+        if self.dropped and self.streams == 0:
+            self._close()
+
+    def drop(self) -> None:
+        self.dropped = True
+        if self.streams == 0:
+            self._close()
+
+    def _close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            with contextlib.suppress(RuntimeError):  # no running loop
+                asyncio.get_running_loop().create_task(self.channel.close())
+
+    async def close_now(self) -> None:
+        """Closes it, cancelling the streams still open on it (shutdown)."""
+        self.dropped = True
+        if not self.closed:
+            self.closed = True
+            await self.channel.close()
+
+
 class DirectStream:
     """One request's stream from a replica (``EngineStream``)."""
 
-    def __init__(self, call: Any, replica_id: str, on_failed: Callable[[], None]):
+    def __init__(
+        self,
+        call: Any,
+        replica_id: str,
+        on_failed: Callable[[], None],
+        channel: _Channel,
+    ):
         self._call = call
         self._replica_id = replica_id
         self._on_failed = on_failed
         self._cancelled = False
+        self._channel: _Channel | None = channel
+        channel.streams += 1
+
+    def _ended(self) -> None:
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.ended()
 
     def cancel(self) -> None:
         self._cancelled = True
         self._call.cancel()
+        self._ended()
 
     async def __aiter__(self) -> AsyncIterator[EngineEvent]:
         try:
@@ -186,6 +238,7 @@ class DirectStream:
         finally:
             if not self._call.done():
                 self._call.cancel()
+            self._ended()
 
 
 class DirectStreams:
@@ -195,7 +248,9 @@ class DirectStreams:
 
     def __init__(self, ask: Callable[[str], Awaitable[Endpoint | None]]) -> None:
         self._ask = ask
-        self._known: OrderedDict[str, tuple[Endpoint, grpc.aio.Channel]] = OrderedDict()
+        self._known: OrderedDict[str, tuple[Endpoint, _Channel]] = OrderedDict()
+        # Dropped channels whose streams have not all ended (closed with them).
+        self._dropped: set[_Channel] = set()
         # Replicas that answered they take no direct streams (another transport
         # configured there, or their server could not start): not asked again.
         self._without: OrderedDict[str, None] = OrderedDict()
@@ -220,11 +275,11 @@ class DirectStreams:
             return None
         self._known.move_to_end(rid)
         endpoint, channel = known
-        call = channel.unary_stream(GENERATE)(
+        call = channel.channel.unary_stream(GENERATE)(
             pickle.dumps(request, protocol=5),
             metadata=((TOKEN_KEY, endpoint.token), *trace.items()),
         )
-        return DirectStream(call, rid, lambda: self.forget(rid, endpoint))
+        return DirectStream(call, rid, lambda: self.forget(rid, endpoint), channel)
 
     async def _learn(self, replica_id: str) -> None:
         try:
@@ -237,10 +292,10 @@ class DirectStreams:
             if endpoint.replica_id != replica_id:
                 return  # it left, and another replica answered
             channel = grpc.aio.insecure_channel(endpoint.address, options=_OPTIONS)
-            self._known[replica_id] = (endpoint, channel)
+            self._known[replica_id] = (endpoint, _Channel(channel))
             while len(self._known) > CHANNELS_KEPT:
                 _, (_, oldest) = self._known.popitem(last=False)
-                asyncio.get_running_loop().create_task(oldest.close())
+                self._drop(oldest)
         except Exception as e:
             logger.info("no direct endpoint for replica %s yet: %r", replica_id, e)
         finally:
@@ -253,8 +308,14 @@ class DirectStreams:
         if known is None or (endpoint is not None and known[0] != endpoint):
             return
         del self._known[replica_id]
-        with contextlib.suppress(RuntimeError):  # no running loop
-            asyncio.get_running_loop().create_task(known[1].close())
+        self._drop(known[1])
+
+    def _drop(self, channel: _Channel) -> None:
+        channel.drop()
+        if channel.streams:
+            self._dropped.add(channel)
+        # Those whose last stream has ended since are closed: forget them.
+        self._dropped = {c for c in self._dropped if c.streams}
 
     def known(self) -> list[str]:
         return list(self._known)
@@ -262,6 +323,8 @@ class DirectStreams:
     async def close(self) -> None:
         for task in list(self._asking.values()):
             task.cancel()
-        for _, channel in self._known.values():
-            await channel.close()
+        channels = [c for _, c in self._known.values()] + list(self._dropped)
         self._known.clear()
+        self._dropped.clear()
+        for c in channels:
+            await c.close_now()

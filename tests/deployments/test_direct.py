@@ -172,6 +172,40 @@ async def test_a_cancelled_stream_aborts_its_engine_request() -> None:
     await stop(server)
 
 
+async def test_a_channel_let_go_closes_only_after_its_last_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(direct, "CHANNELS_KEPT", 1)
+    hold = asyncio.Event()
+    server = await start(direct_config(), FakeAsyncLLM(list(STEPS), hold=hold))
+
+    async def ask(replica_id: str) -> Endpoint | None:
+        endpoint = await server.direct_endpoint()
+        assert endpoint is not None
+        return dataclasses.replace(endpoint, replica_id=replica_id)
+
+    streams = DirectStreams(ask)
+    assert streams.open(request(), {}) is None
+    await until(lambda: streams.known() == ["replica-a"], "the endpoint")
+    kept = streams._known["replica-a"][1]
+    stream = streams.open(request(), {})
+    assert stream is not None
+    events = aiter(stream)
+    assert await anext(events) == Started("replica-a")
+    assert isinstance(await anext(events), TokenDelta)  # then it waits on hold
+    # A second replica's endpoint pushes the first one's channel out...
+    assert streams.open(request("r2", replica="replica-b"), {}) is None
+    await until(lambda: streams.known() == ["replica-b"], "the oldest let go")
+    assert kept.dropped and not kept.closed
+    # ...and the stream on it goes on to its end, then the channel closes.
+    hold.set()
+    rest = [event async for event in events]
+    assert [type(e) for e in rest] == [TokenDelta, TokenDelta, Finish]
+    assert kept.closed and kept.streams == 0
+    await streams.close()
+    await stop(server)
+
+
 async def test_a_replica_gone_fails_the_stream_and_is_forgotten() -> None:
     server = await start(direct_config(), FakeAsyncLLM(list(STEPS)))
     streams = await streams_to(server)
