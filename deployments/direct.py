@@ -21,9 +21,9 @@ engine runs on, and the ingress calls it on its own: one process hop each way.
 - **Failures.** A call that fails (the replica died, its server stopped) raises
   ``DirectStreamFailed``, which the ingress treats as any engine failure: retried
   elsewhere before output, resumed elsewhere after it. Where the replica is
-  unreachable (``UNAVAILABLE``), its address is forgotten (and its channel, with
-  the replica's other streams on it, closed), and asked for again when the
-  router next places a request there.
+  unreachable (``UNAVAILABLE``), its address is forgotten, and asked for again
+  when the router next places a request there; its channel closes once the
+  streams still on it have ended.
 - **Shutdown.** Serve waits only for the calls it counts, so the replica waits for
   its direct streams itself (its drain, then a hand-off) before its engine stops.
 """
