@@ -148,8 +148,10 @@ class EngineConfig(_Strict):
     cpu_cores: Literal["auto", "shared", "pinned", "reserved"] = Field(
         "auto",
         description="CPU backend, on a cluster `moe-cluster serve` starts. auto: "
-        "pinned where the engines have a slot each (and omp_num_threads is set), "
-        "shared otherwise. shared: the OS places every process on every core. "
+        "reserved where the engines leave a core for the rest of the cluster, "
+        "pinned where they have a slot each and none is left, shared otherwise "
+        "(or where omp_num_threads is unset). shared: the OS places every "
+        "process on every core. "
         "pinned: each engine computes on a slot of omp_num_threads cores (the "
         "node's last ones, one slot per engine) and never moves off it, and the "
         "rest of the cluster runs on every core, the slots' included (an error "
@@ -160,8 +162,9 @@ class EngineConfig(_Strict):
         "preempts an engine mid-step (an error where the node would keep no core "
         "for them, or omp_num_threads is unset). Counts the autoscaler's most "
         "replicas. With one replica on 2 cores, pinned and reserved each raised "
-        "S1's throughput by ~7% over shared; reserved also grew a realtime "
-        "request's first-token p99 under a background flood (README).",
+        "S1's throughput by ~7% over shared, and reserved raised one stream's "
+        "over pinned; what each did to a realtime stream under a background "
+        "flood is in the README.",
     )
     executor: Literal["auto", "uni", "mp"] = Field(
         "auto",

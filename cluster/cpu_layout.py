@@ -17,15 +17,13 @@ spawns its engine onto it. With the one-thread, in-process engine (``executor:
 uni``), only the engine core's main thread stays there; its other threads
 (vLLM's socket I/O, gloo, the page store's committer) join the serving cores.
 
-The trade, measured with one replica on 2 cores (README): the engine's
-throughput rises, and the rest of the cluster, left one core, answers realtime
-requests more slowly under a background flood.
-
 ``engine.cpu_cores: pinned`` keeps each engine on its slot the same way, but
 leaves every core of the node to the rest of the cluster: the engine no longer
 moves between cores, leaving its warm caches behind, while a flood's serving
 work may still use its core when the others are busy. The default, ``auto``,
-pins where every engine gets a slot and shares the cores otherwise.
+reserves where the engines leave a core for the rest, pins where they have a
+core each and none is left, and shares the cores otherwise. What each costs and
+gains, measured with one replica on 2 cores, is in the README.
 
 Only a cluster that ``moe-cluster serve`` starts is laid out: the layout names
 the cores of the one node it starts on. Engine replicas of a cluster joined
@@ -148,27 +146,27 @@ def for_local_cluster(
 ) -> tuple[Layout | None, str]:
     """The layout of a new one-node cluster of ``config`` (``cores``: the node's
     cores this process may use), or None and why its engines share the cores
-    (``auto`` shares them where ``pinned`` cannot be). Raises ValueError, saying
-    why, where ``engine.cpu_cores`` (``pinned`` or ``reserved``) cannot be."""
+    (``auto`` reserves where it can, else pins, else shares them). Raises
+    ValueError, saying why, where ``engine.cpu_cores`` (``pinned`` or
+    ``reserved``) cannot be."""
     e = config.engine
     if e.cpu_cores == "shared":
         return None, "engine.cpu_cores is shared"
-    mode = "reserved" if e.cpu_cores == "reserved" else "pinned"
     why = _cannot_lay_out(config)
     if not why:
         available = sorted(cores if cores is not None else os.sched_getaffinity(0))
         name = f"{os.getpid()}-{time.time_ns()}"
-        threads = cores_per_engine(config)
-        exclusive = mode == "reserved"
-        try:
-            layout = plan(available, engines_on_node(config), threads, name, exclusive)
-        except ValueError as err:
-            why = str(err)
-        else:
-            return layout, ""
+        threads, engines = cores_per_engine(config), engines_on_node(config)
+        # auto: reserved where a core is left for the rest, else pinned.
+        tries = {"auto": (True, False), "reserved": (True,), "pinned": (False,)}
+        for exclusive in tries[e.cpu_cores]:
+            try:
+                return plan(available, engines, threads, name, exclusive), ""
+            except ValueError as err:
+                why = str(err)
     if e.cpu_cores == "auto":
         return None, why
-    raise ValueError(f"engine.cpu_cores: {mode}, but {why}")
+    raise ValueError(f"engine.cpu_cores: {e.cpu_cores}, but {why}")
 
 
 def _cannot_lay_out(config: ClusterConfig) -> str:

@@ -108,11 +108,21 @@ def test_pinned_lays_out_while_the_engines_have_a_core_each() -> None:
         )
 
 
-def test_auto_pins_where_the_engines_have_a_core_each_and_shares_elsewhere() -> None:
+def test_auto_reserves_else_pins_else_shares() -> None:
     assert config().engine.cpu_cores == "auto"  # the default
     layout, why = cpu_layout.for_local_cluster(config(), [0, 1])
-    assert layout is not None and (layout.slots, layout.serving) == (((1,),), (0, 1))
-    assert why == ""
+    assert layout is not None and (layout.slots, layout.serving) == (((1,),), (0,))
+    assert layout.exclusive and why == ""
+    # Two engines on 2 cores: a core each, none left for the rest: pinned.
+    two = config(deployment={"num_replicas": 2})
+    layout, why = cpu_layout.for_local_cluster(two, [0, 1])
+    assert layout is not None and (layout.slots, layout.serving) == (
+        ((0,), (1,)),
+        (0, 1),
+    )
+    assert not layout.exclusive and why == ""
+    layout, _ = cpu_layout.for_local_cluster(two, [0, 1, 2])
+    assert layout is not None and layout.exclusive and layout.serving == (0,)
     three = config(deployment={"num_replicas": 3})
     assert cpu_layout.for_local_cluster(three, [0, 1]) == (
         None,
