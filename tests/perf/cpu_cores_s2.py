@@ -18,13 +18,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from tests.perf.compare_peers import PEERS, RESULTS, Server, flood
+from tests.perf.compare_peers import PEERS, RESULTS, Server, flood, machine
 
 
 def main() -> None:
@@ -54,7 +53,7 @@ def main() -> None:
     row = {
         "label": args.label,
         "cpu_cores": args.cpu_cores,
-        "machine": platform.processor() or platform.machine(),
+        "machine": machine(),
         "command": f"python -m tests.perf.cpu_cores_s2 {args.cpu_cores} "
         f"--seconds {args.seconds:g} --capacity {args.capacity:g}",
         "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

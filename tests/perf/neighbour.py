@@ -76,6 +76,7 @@ def neighbour(kind: str, duty: float) -> None:
 
     else:
         raise ValueError(f"unknown neighbour {kind!r}")
+    print("ready", flush=True)  # its heap or arrays built
     while True:
         start = time.perf_counter()
         while time.perf_counter() - start < duty * PERIOD_S:
@@ -110,7 +111,8 @@ def probe(seconds: float) -> float:
 
 
 def start(kind: str, duty: float, cpu: int) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
+    """A neighbour on core ``cpu``, returned once it is ready to work."""
+    proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -121,8 +123,14 @@ def start(kind: str, duty: float, cpu: int) -> subprocess.Popen[bytes]:
             str(duty),
             "--cpu",
             str(cpu),
-        ]
+        ],
+        stdout=subprocess.PIPE,
     )
+    assert proc.stdout is not None
+    if proc.stdout.readline().strip() != b"ready":
+        proc.kill()
+        raise RuntimeError(f"neighbour {kind} did not start")
+    return proc
 
 
 def main() -> None:
@@ -153,7 +161,6 @@ def main() -> None:
             for duty in [1.0] if kind == "none" else args.duty:
                 proc = start(kind, duty, other) if kind != "none" else None
                 try:
-                    time.sleep(1.5 if kind == "python" else 0.5)  # its heap built
                     ms = probe(args.seconds)
                 finally:
                     if proc is not None:
