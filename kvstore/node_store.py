@@ -288,13 +288,14 @@ class NodeStore:
         return len(written)
 
     def summary(self) -> dict[str, int]:
-        index = self.index
+        index = self.index  # an empty index is falsy (len 0): compare with None
         return {
-            "pages": len(index) if index else 0,
-            "num_pages": index.num_pages if index else 0,
+            "pages": len(index) if index is not None else 0,
+            "writing": index.writing if index is not None else 0,  # not committed
+            "num_pages": index.num_pages if index is not None else 0,
             "page_bytes": self.arena.page_bytes if self.arena else 0,
             "capacity_bytes": self.capacity_bytes,
-            "evictions": index.evictions if index else 0,
+            "evictions": index.evictions if index is not None else 0,
             "leases": len(self._leases),
             **self.stats,
         }

@@ -48,6 +48,11 @@ class PageIndex:
     def __len__(self) -> int:
         return len(self._by_hash)
 
+    @property
+    def writing(self) -> int:
+        """Slots allocated and not yet committed or abandoned."""
+        return len(self._pending)
+
     def __contains__(self, h: object) -> bool:
         return h in self._by_hash
 
