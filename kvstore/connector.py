@@ -158,6 +158,12 @@ class PageStoreConnector(KVConnectorBase_V1):
         assert self.worker is not None
         self.worker.register(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # Called by the model runner before every forward pass, on every path.
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None and isinstance(connector_metadata, StoreMetadata):
+            self.worker.before_forward(connector_metadata.saves)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, StoreMetadata) and self.worker is not None

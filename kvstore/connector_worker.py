@@ -5,14 +5,18 @@ pass, checking its checksum on the way; a page that fails is dropped from the
 store and its blocks (and every later one of the request) are reported to vLLM,
 which recomputes them. ``save`` copies the blocks completed this step into
 reserved pages, summing them on the way; a background thread publishes them, so
-the step waits only for the copy.
+the step waits only for the copy. The slots are asked for before the forward
+pass (``before_forward``) and the answer read after it, so the store answers
+while the step computes, on another core where the engine has one of its own.
 
 Host caches are copied a page at a time (``page_layer.PageCopier``). For caches
 in GPU memory the arena is page-locked and a request's pages go through a
 staging buffer on the device, one DMA copy each (``page_layer.DeviceCopier``):
 loads on the engine's stream, waited for before the leases on the pages end;
-saves on a side stream that first waits for the engine's, while the engine's
-next step waits for them before it can overwrite a block being saved.
+saves on a side stream that first waits for the engine's, and that the engine's
+stream then waits for: the next step's work (zeroing the blocks it allocates
+anew, among them blocks freed by requests that just finished) comes after
+the copies.
 """
 
 from __future__ import annotations
@@ -30,7 +34,14 @@ from cluster import tracing
 from kvstore.arena import Arena, checksum
 from kvstore.connector_scheduler import Loads, PageSave
 from kvstore.page_layer import DeviceCopier, PageCopier, PageLayer, Saved
-from kvstore.rpc import StoreClient, StoreError, Written
+from kvstore.rpc import (
+    ConnectionLost,
+    Pending,
+    Reserved,
+    StoreClient,
+    StoreError,
+    Written,
+)
 
 logger = logging.getLogger("moe_cluster.kvstore")
 
@@ -103,6 +114,8 @@ class StoreWorker:
             tuple[Arena, list[tuple[int, int | None]], Any, Saved | None] | None
         ] = queue.Queue()
         self._committer: threading.Thread | None = None
+        # This step's saves and their ``reserve``, sent before the forward pass.
+        self._reserving: tuple[Sequence[PageSave], Pending] | None = None
 
     @property
     def layers(self) -> list[PageLayer]:
@@ -205,10 +218,44 @@ class StoreWorker:
             return True
         return bool(name) and self._attach() == name
 
+    def before_forward(self, saves: Sequence[PageSave]) -> None:
+        """Asks for the slots of the blocks this step completes, before its
+        forward pass; ``save`` reads the answer after it."""
+        self._settle_reserving()
+        if not saves or not self._layers:
+            return
+        try:
+            pending = self._client.send_reserve([s.page_hash for s in saves])
+        except StoreError:
+            return  # save asks again, and warns if it fails again
+        self._reserving = (saves, pending)
+
+    def _settle_reserving(self) -> None:
+        """Gives back the slots of a ``reserve`` sent for a step that saved
+        nothing (it failed before ``save``)."""
+        if (reserving := self._reserving) is None:
+            return
+        self._reserving = None
+        try:
+            slots = self._client.reserved(reserving[1]).slots
+            if taken := [x for x in slots if x is not None]:
+                self._client.abandon(taken)
+        except StoreError as e:
+            self._warn(e)
+
+    def _reserve(self, saves: Sequence[PageSave]) -> Reserved:
+        """The slots for ``saves``: the answer to the ``reserve`` sent before
+        the forward pass, or (none sent, or its connection failed) a new one."""
+        if (reserving := self._reserving) is not None and reserving[0] is saves:
+            self._reserving = None
+            try:
+                return self._client.reserved(reserving[1])
+            except ConnectionLost:
+                pass  # it broke while the forward ran: ask on a new one
+        self._settle_reserving()  # sent for other saves, if any: given back
+        return self._client.reserve([s.page_hash for s in saves])
+
     def start_load(self, loads: Mapping[str, Loads]) -> None:
-        if self._stream is not None:
-            # Saves of the last step read blocks this step may overwrite.
-            torch.cuda.current_stream().wait_stream(self._stream)
         if not loads:
             return
         bad: list[bytes] = []
@@ -294,7 +341,7 @@ class StoreWorker:
         if not saves or not self._layers:
             return
         try:
-            reserved = self._client.reserve([s.page_hash for s in saves])
+            reserved = self._reserve(saves)
             if not self._arena_is(reserved.arena):
                 self._client.abandon([x for x in reserved.slots if x is not None])
                 return
@@ -327,6 +374,9 @@ class StoreWorker:
             )
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
+        # The next step may zero or overwrite a block being saved (one freed by
+        # a request that just finished): its work waits for the copies.
+        torch.cuda.current_stream().wait_stream(stream)
         self._commits.put((arena, [(slot, None) for slot, _ in todo], event, sums))
 
     def _commit_loop(self) -> None:
@@ -344,7 +394,7 @@ class StoreWorker:
                 for s, c in slots
             ]
             try:
-                self._client.commit(done)
+                self._client.commit(done, arena.name)
             except StoreError as e:
                 self._warn(e)
 

@@ -6,7 +6,10 @@ slots and checksums do, as msgpack frames over a Unix socket, about 50 µs a cal
     frame:    | length: u32 big-endian | msgpack [method, args] |
     answer:   | length | msgpack [true, result] |  or  [false, "message"]
 
-Answers that name slots (``lookup``, ``reserve``) also name the arena they are in.
+Answers that name slots (``lookup``, ``reserve``) also name the arena they are in,
+and a ``commit`` names the arena its pages were written into. A connection's
+calls are answered in the order they came, so a client may send a call and read
+its answer later, with other calls in between (``StoreClient.send``).
 
 The server keeps per connection what the connection took: leases it created and
 slots it reserved. A connection that goes away (its engine died) gives them back,
@@ -16,6 +19,7 @@ so a crashed engine never leaves pages pinned or slots half-written.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -195,6 +199,13 @@ class StoreServer:
             return Reserved(slots, self._arena_name())
         if method == "commit":
             written = [(w.slot, w.checksum) for w in msgspec.convert(args[0], _WRITTEN)]
+            if len(args) > 1 and args[1] != self._arena_name():
+                # Written into the arena of a store that has since restarted:
+                # these slots are not the ones this store reserved.
+                raise StoreError(
+                    f"pages written into arena {args[1]!r}, not this store's "
+                    f"{self._arena_name()!r}"
+                )
             s.commit(written)
             conn.reserved.difference_update(slot for slot, _ in written)
             return None
@@ -223,38 +234,107 @@ class StoreServer:
 _WRITTEN = list[Written]
 
 
-class StoreClient:
-    """Blocking client for engine processes; one call at a time per client.
+class ConnectionLost(StoreError):
+    """The connection failed with the call in flight (or could not be made).
+    ``reused``: it was opened before the call."""
 
-    ``call`` is the raw transport; the named methods are the calls engines make,
-    with their answers typed."""
+    def __init__(self, message: str, reused: bool) -> None:
+        super().__init__(message)
+        self.reused = reused
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A call sent on connection ``conn`` as its ``seq``-th frame, its answer not
+    yet read (``StoreClient.answer``)."""
+
+    conn: int
+    seq: int
+    reused: bool  # the connection was open before the call
+
+
+class StoreClient:
+    """Blocking client for engine processes, safe to share between threads.
+
+    ``call`` sends a call and waits for its answer. ``send`` and ``answer`` split
+    it, so a call can be in flight while its caller works (an engine's step
+    sends its ``reserve`` before the forward pass and reads the slots after it).
+    The server answers a connection's calls in the order they came, so answers
+    are matched to calls by their place: a thread reading the next answer keeps
+    another thread's for it. A connection that fails fails every call in flight
+    on it; the next call opens a new one."""
 
     def __init__(self, path: str, timeout_s: float = 5.0) -> None:
         self.path, self._timeout = path, timeout_s
         self._sock: socket.socket | None = None
-        self._lock = threading.Lock()
+        self._conn = 0  # which connection: each failure or close moves it on
+        self._sent = self._read = 0  # frames sent and answers read on it
+        self._answers: dict[int, tuple[bool, Any]] = {}  # read, not yet taken
+        self._state = threading.Lock()  # the fields above
+        self._sending = threading.Lock()  # a frame goes out whole, in seq order
+        self._reading = threading.Lock()  # one reader at a time
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder()
 
     def call(self, method: str, *args: Any) -> Any:
-        payload = self._enc.encode([method, list(args)])
-        frame = _LEN.pack(len(payload)) + payload
-        with self._lock:
-            for attempt in (1, 2):
+        try:
+            return self.answer(self.send(method, *args))
+        except ConnectionLost as e:
+            # A connection kept from a store that has since restarted fails on
+            # first use: the server never ran the call (or undid it when the
+            # connection dropped), so try a new one.
+            if not e.reused:
+                raise
+        return self.answer(self.send(method, *args))
+
+    def send(self, method: str, *args: Any) -> Pending:
+        """Sends a call without waiting for its answer; every ``Pending`` must
+        be answered (or the connection closed), in any order."""
+        with self._sending:
+            payload = self._enc.encode([method, list(args)])
+            with self._state:
                 reused = self._sock is not None
                 try:
-                    sock = self._connect()
-                    sock.sendall(frame)
-                    (n,) = _LEN.unpack(self._recv(sock, _LEN.size))
-                    ok, result = self._dec.decode(self._recv(sock, n))
-                    break
+                    sock = self._connect_locked()
                 except OSError as e:
-                    self.close_locked()
-                    # A connection kept from a store that has since restarted
-                    # fails on first use: the server never ran the call (or
-                    # undid it when the connection dropped), so try a new one.
-                    if not (reused and attempt == 1):
-                        raise StoreError(f"kv store at {self.path}: {e}") from e
+                    raise ConnectionLost(f"kv store at {self.path}: {e}", False) from e
+                pending = Pending(self._conn, self._sent, reused)
+                self._sent += 1
+            try:
+                sock.sendall(_LEN.pack(len(payload)) + payload)
+            except OSError as e:
+                self._lose(pending.conn)
+                raise ConnectionLost(f"kv store at {self.path}: {e}", reused) from e
+        return pending
+
+    def answer(self, pending: Pending) -> Any:
+        """The result of a call sent with ``send``: StoreError if the store
+        refused it or the connection failed before its answer came."""
+        with self._reading:
+            while True:
+                with self._state:
+                    if pending.conn != self._conn:
+                        raise ConnectionLost(
+                            f"kv store at {self.path}: connection lost",
+                            pending.reused,
+                        )
+                    if pending.seq in self._answers:
+                        ok, result = self._answers.pop(pending.seq)
+                        break
+                    sock = self._sock
+                    assert sock is not None  # open while its calls are in flight
+                try:
+                    (n,) = _LEN.unpack(self._recv(sock, _LEN.size))
+                    answer = self._dec.decode(self._recv(sock, n))
+                except OSError as e:
+                    self._lose(pending.conn)
+                    raise ConnectionLost(
+                        f"kv store at {self.path}: {e}", pending.reused
+                    ) from e
+                with self._state:
+                    if self._conn == pending.conn:
+                        self._answers[self._read] = answer
+                        self._read += 1
         if not ok:
             raise StoreError(result)
         return result
@@ -285,8 +365,17 @@ class StoreClient:
     def reserve(self, hashes: Sequence[bytes]) -> Reserved:
         return msgspec.convert(self.call("reserve", list(hashes)), Reserved)
 
-    def commit(self, written: Sequence[Written]) -> None:
-        self.call("commit", list(written))
+    def send_reserve(self, hashes: Sequence[bytes]) -> Pending:
+        """``reserve``, its answer read later with ``reserved``."""
+        return self.send("reserve", list(hashes))
+
+    def reserved(self, pending: Pending) -> Reserved:
+        return msgspec.convert(self.answer(pending), Reserved)
+
+    def commit(self, written: Sequence[Written], arena: str) -> None:
+        """Publishes pages written into ``arena``'s reserved slots (refused if
+        the store's arena is another: the store restarted)."""
+        self.call("commit", list(written), arena)
 
     def abandon(self, slots: Sequence[int]) -> None:
         self.call("abandon", list(slots))
@@ -295,20 +384,35 @@ class StoreClient:
         self.call("drop", list(hashes))
 
     def close(self) -> None:
-        with self._lock:
-            self.close_locked()
+        """Closes the connection; calls in flight on it fail."""
+        with self._state:
+            conn = self._conn
+        self._lose(conn)
 
-    def close_locked(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+    def _lose(self, conn: int) -> None:
+        """Closes connection ``conn`` if it is still the current one."""
+        with self._state:
+            if conn != self._conn:
+                return
+            self._conn += 1
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a reader blocked on it
+            sock.close()
 
-    def _connect(self) -> socket.socket:
+    def _connect_locked(self) -> socket.socket:
         if self._sock is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(self._timeout)
-            sock.connect(self.path)
+            try:
+                sock.connect(self.path)
+            except OSError:
+                sock.close()
+                raise
             self._sock = sock
+            self._sent = self._read = 0
+            self._answers.clear()
         return self._sock
 
     @staticmethod

@@ -70,7 +70,8 @@ async def test_a_store_publishes_its_pages_and_mirrors_the_directory() -> None:
                     Written(slot, arena.write(slot, rows[i]))
                     for i, slot in enumerate(reserved.slots)
                     if slot is not None
-                ]
+                ],
+                arena.name,
             )
             client.close()
             arena.close()
@@ -135,7 +136,8 @@ async def test_a_store_with_nothing_to_publish_syncs_less_often() -> None:
         def save() -> None:  # ...and saves a page
             [slot] = client.reserve(hashes).slots
             assert slot is not None
-            client.commit([Written(slot, arena.write(slot, np.ones(PAGE, np.uint8)))])
+            page = np.ones(PAGE, np.uint8)
+            client.commit([Written(slot, arena.write(slot, page))], arena.name)
 
         await asyncio.to_thread(save)
         await until(lambda: directory.summary() == {"node-a": 1}, "the page published")

@@ -231,9 +231,10 @@ def test_the_next_forward_reuses_blocks_only_once_they_are_saved(
     with torch.cuda.stream(a.worker._stream):
         torch.cuda._sleep(SPIN)  # the last step's saves, still copying
     a.worker.save([PageSave(HASHES[i], i) for i in range(24)])  # queued behind
-    a.worker.start_load({})  # the next step: nothing to load
+    # The next step zeroes the blocks it allocates anew (freed ones among them)
+    # before any connector call, then its forward writes new tokens into them.
     for cache in a.caches.values():
-        cache[:24].zero_()  # its forward writes new tokens into freed blocks
+        cache[:24].zero_()
 
     found = a.stored(HASHES[:24])
     assert len(found.refs) == 24

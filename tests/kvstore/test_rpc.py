@@ -15,7 +15,7 @@ import pytest
 from kvstore.arena import Arena
 from kvstore.block_hash import BlockHash
 from kvstore.node_store import NodeStore
-from kvstore.rpc import StoreClient, StoreError, StoreServer
+from kvstore.rpc import StoreClient, StoreError, StoreServer, Written
 
 H = [BlockHash(bytes([i]) * 32) for i in range(8)]
 PAGE = 128
@@ -139,3 +139,67 @@ def test_a_client_reconnects_to_a_store_that_restarted(tmp_path: Path) -> None:
     finally:
         c.close()
         second.stop()
+
+
+def test_calls_in_flight_from_two_threads_each_get_their_own_answer(
+    served: tuple[NodeStore, str, list[int]],
+) -> None:
+    _, path, _ = served
+    c, arena = connect(path)
+    try:
+        first = c.send_reserve([H[0]])  # in flight while another thread calls
+        second = c.send_reserve([H[2], H[3]])
+        answers: list[Any] = []
+        thread = threading.Thread(target=lambda: answers.append(c.reserve([H[5]])))
+        thread.start()  # reads the two answers before its own, and keeps them
+        thread.join(5)
+        [other] = answers
+        assert len(other.slots) == 1 and other.arena == arena.name
+        assert len(c.reserved(second).slots) == 2
+        assert len(c.reserved(first).slots) == 1
+        with pytest.raises(StoreError, match="unknown method"):
+            c.answer(c.send("nonsense"))  # a refusal is this call's alone
+        assert c.call("summary")["writing"] == 4  # every slot of the arena
+    finally:
+        c.close()
+        arena.close()
+
+
+def test_calls_in_flight_fail_with_their_connection_and_the_next_opens_another(
+    served: tuple[NodeStore, str, list[int]],
+) -> None:
+    store, path, _ = served
+    c, arena = connect(path)
+    try:
+        pending = c.send_reserve([H[0]])
+        c.close()
+        with pytest.raises(StoreError, match="connection lost"):
+            c.reserved(pending)
+        for _ in range(100):  # the server gives the lost call's slot back
+            if store.summary()["writing"] == 0:
+                break
+            threading.Event().wait(0.02)
+        assert store.summary()["writing"] == 0
+        assert c.reserve([H[0]]).slots == [0]  # on a new connection
+    finally:
+        c.close()
+        arena.close()
+
+
+def test_a_commit_into_another_arena_is_refused(
+    served: tuple[NodeStore, str, list[int]],
+) -> None:
+    store, path, _ = served
+    c, arena = connect(path)
+    try:
+        [slot] = c.reserve([H[0]]).slots
+        assert slot is not None
+        written = [Written(slot, arena.write(slot, np.ones(PAGE, np.uint8)))]
+        with pytest.raises(StoreError, match="not this store's"):
+            c.commit(written, "an arena of a store that restarted")
+        assert store.summary()["pages"] == 0
+        c.commit(written, arena.name)
+        assert store.summary()["pages"] == 1
+    finally:
+        c.close()
+        arena.close()

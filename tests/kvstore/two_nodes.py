@@ -141,7 +141,12 @@ def main() -> None:
     rows = np.random.default_rng(0).integers(0, 255, (PAGES, PAGE), dtype=np.uint8)
     slots = c1.reserve(hashes).slots
     c1.commit(
-        [Written(s, a1.write(s, rows[i])) for i, s in enumerate(slots) if s is not None]
+        [
+            Written(s, a1.write(s, rows[i]))
+            for i, s in enumerate(slots)
+            if s is not None
+        ],
+        a1.name,
     )
 
     t0 = time.monotonic()
