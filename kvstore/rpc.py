@@ -206,6 +206,12 @@ class StoreServer:
                     f"pages written into arena {args[1]!r}, not this store's "
                     f"{self._arena_name()!r}"
                 )
+            if foreign := [slot for slot, _ in written if slot not in conn.reserved]:
+                # Reserved on a connection since lost, which gave them back: they
+                # may be another engine's now.
+                raise StoreError(
+                    f"slots {foreign} were not reserved on this connection"
+                )
             s.commit(written)
             conn.reserved.difference_update(slot for slot, _ in written)
             return None

@@ -203,3 +203,26 @@ def test_a_commit_into_another_arena_is_refused(
     finally:
         c.close()
         arena.close()
+
+
+def test_a_commit_of_slots_reserved_on_another_connection_is_refused(
+    served: tuple[NodeStore, str, list[int]],
+) -> None:
+    store, path, _ = served
+    c, arena = connect(path)
+    other = StoreClient(path)
+    try:
+        [slot] = c.reserve([H[0]]).slots
+        assert slot is not None
+        written = [Written(slot, arena.write(slot, np.ones(PAGE, np.uint8)))]
+        # A connection lost after its reserve gives the slot back, and the
+        # slot may be another engine's by the time a new connection commits it.
+        with pytest.raises(StoreError, match="not reserved on this connection"):
+            other.commit(written, arena.name)
+        assert store.summary()["pages"] == 0
+        c.commit(written, arena.name)
+        assert store.summary()["pages"] == 1
+    finally:
+        other.close()
+        c.close()
+        arena.close()
