@@ -379,8 +379,9 @@ class StoreClient:
         return msgspec.convert(self.answer(pending), Reserved)
 
     def commit(self, written: Sequence[Written], arena: str) -> None:
-        """Publishes pages written into ``arena``'s reserved slots (refused if
-        the store's arena is another: the store restarted)."""
+        """Publishes pages written into ``arena``'s slots that this connection
+        reserved (refused if the store's arena is another, as after a restart,
+        or a slot was reserved on a connection since lost)."""
         self.call("commit", list(written), arena)
 
     def abandon(self, slots: Sequence[int]) -> None:
