@@ -15,7 +15,7 @@ import torch
 from kvstore.connector_scheduler import PageSave
 from kvstore.connector_worker import StoreWorker
 from kvstore.rpc import Found, StoreClient
-from tests.kvstore.test_rpc import Running
+from tests.kvstore.test_rpc import Running, published
 
 LAYERS, BLOCK, LATENT, NUM_BLOCKS = 2, 16, 8, 12
 PAGE_BYTES = LAYERS * BLOCK * LATENT * 4
@@ -47,15 +47,7 @@ class Engine:
         return torch.cat(parts).numpy()
 
     def stored(self, hashes: Sequence[bytes], timeout_s: float = 10.0) -> Found:
-        """The stored run of ``hashes``, once all are published (or the time is
-        up): the worker publishes from a background thread."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            found = self.client.lookup("probe", hashes, "", [], BLOCK, 0)
-            self.client.release("probe")
-            if len(found.refs) == len(hashes) or time.monotonic() > deadline:
-                return found
-            time.sleep(0.01)
+        return published(self.client, hashes, BLOCK, timeout_s)
 
     def close(self) -> None:
         self.worker.shutdown()

@@ -13,7 +13,6 @@ not wait for it reads or writes the block at the wrong time, every run.
 from __future__ import annotations
 
 import sys
-import time
 import types
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -27,7 +26,7 @@ from kvstore.connector_scheduler import Loads, PageLoad, PageSave
 from kvstore.connector_worker import StoreWorker
 from kvstore.page_layer import DeviceCopier, PageLayer
 from kvstore.rpc import Found, StoreClient
-from tests.kvstore.test_rpc import Running
+from tests.kvstore.test_rpc import Running, published
 
 pytestmark = [
     pytest.mark.gpu,
@@ -102,15 +101,7 @@ class Engine:
         return self.worker._arena.page(slot)
 
     def stored(self, hashes: Sequence[bytes], timeout_s: float = 10.0) -> Found:
-        """The stored run of ``hashes``, once all are published (or the time is
-        up): the worker publishes from a background thread."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            found = self.client.lookup("probe", hashes, "", [], BLOCK, 0)
-            self.client.release("probe")
-            if len(found.refs) == len(hashes) or time.monotonic() > deadline:
-                return found
-            time.sleep(0.01)
+        return published(self.client, hashes, BLOCK, timeout_s)
 
     def load(self, rid: str, hashes: Sequence[bytes], blocks: Sequence[int]) -> None:
         self.load_step({rid: (hashes, blocks)})

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import pytest
 from kvstore.arena import Arena
 from kvstore.block_hash import BlockHash
 from kvstore.node_store import NodeStore
-from kvstore.rpc import StoreClient, StoreError, StoreServer, Written
+from kvstore.rpc import Found, StoreClient, StoreError, StoreServer, Written
 
 H = [BlockHash(bytes([i]) * 32) for i in range(8)]
 PAGE = 128
@@ -47,6 +48,20 @@ class Running:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
         self.store.close()
+
+
+def published(
+    client: StoreClient, hashes: Sequence[bytes], block_size: int, timeout_s: float
+) -> Found:
+    """The stored run of ``hashes``, once all are published (or the time is up):
+    an engine's connector publishes from a background thread."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = client.lookup("probe", hashes, "", [], block_size, 0)
+        client.release("probe")
+        if len(found.refs) == len(hashes) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.01)
 
 
 @pytest.fixture
