@@ -7,6 +7,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -78,18 +79,24 @@ def served(tmp_path: Path) -> Iterator[tuple[NodeStore, str, list[int]]]:
     running.stop()
 
 
-def connect(path: str) -> tuple[StoreClient, Arena]:
-    """A client that opened the store, and the arena it maps (as an engine)."""
+@contextmanager
+def connected(path: str) -> Iterator[tuple[StoreClient, Arena]]:
+    """A client that opened the store, and the arena it maps (as an engine),
+    both closed at the end."""
     c = StoreClient(path)
-    return c, Arena.attach(*c.call("open", PAGE, "layout"))
+    arena = Arena.attach(*c.call("open", PAGE, "layout"))
+    try:
+        yield c, arena
+    finally:
+        c.close()
+        arena.close()
 
 
 def test_an_engine_opens_writes_commits_and_finds_pages(
     served: tuple[NodeStore, str, list[int]],
 ) -> None:
     store, path, misses = served
-    c, arena = connect(path)
-    try:
+    with connected(path) as (c, arena):
         slots, name = c.call("reserve", [H[0], H[2]])
         assert name == arena.name
         crcs = [arena.write(s, np.full(PAGE, 7, np.uint8)) for s in slots]
@@ -108,17 +115,13 @@ def test_an_engine_opens_writes_commits_and_finds_pages(
             c.call("nonsense")
         with pytest.raises(StoreError, match="LayoutMismatch"):
             c.call("open", PAGE, "another model")
-    finally:
-        c.close()
-        arena.close()
 
 
 def test_a_dead_engines_pins_and_reservations_are_given_back(
     served: tuple[NodeStore, str, list[int]],
 ) -> None:
     store, path, _ = served
-    c, arena = connect(path)
-    try:
+    with connected(path) as (c, arena):
         slot = c.call("reserve", [H[0]])[0][0]
         c.call("commit", [[slot, arena.write(slot, np.zeros(PAGE, np.uint8))]])
         c.call("lookup", "r", [H[0]], "", [], 16)
@@ -132,8 +135,6 @@ def test_a_dead_engines_pins_and_reservations_are_given_back(
         other = StoreClient(path)
         assert None not in other.call("reserve", [H[4], H[5], H[6]])[0]
         other.close()
-    finally:
-        arena.close()
 
 
 def test_an_unreachable_store_is_a_store_error(tmp_path: Path) -> None:
@@ -160,8 +161,7 @@ def test_calls_in_flight_from_two_threads_each_get_their_own_answer(
     served: tuple[NodeStore, str, list[int]],
 ) -> None:
     _, path, _ = served
-    c, arena = connect(path)
-    try:
+    with connected(path) as (c, arena):
         first = c.send_reserve([H[0]])  # in flight while another thread calls
         second = c.send_reserve([H[2], H[3]])
         answers: list[Any] = []
@@ -175,17 +175,13 @@ def test_calls_in_flight_from_two_threads_each_get_their_own_answer(
         with pytest.raises(StoreError, match="unknown method"):
             c.answer(c.send("nonsense"))  # a refusal is this call's alone
         assert c.call("summary")["writing"] == 4  # every slot of the arena
-    finally:
-        c.close()
-        arena.close()
 
 
 def test_calls_in_flight_fail_with_their_connection_and_the_next_opens_another(
     served: tuple[NodeStore, str, list[int]],
 ) -> None:
     store, path, _ = served
-    c, arena = connect(path)
-    try:
+    with connected(path) as (c, _):
         pending = c.send_reserve([H[0]])
         c.close()
         with pytest.raises(StoreError, match="connection lost"):
@@ -196,17 +192,13 @@ def test_calls_in_flight_fail_with_their_connection_and_the_next_opens_another(
             threading.Event().wait(0.02)
         assert store.summary()["writing"] == 0
         assert c.reserve([H[0]]).slots == [0]  # on a new connection
-    finally:
-        c.close()
-        arena.close()
 
 
 def test_a_commit_into_another_arena_is_refused(
     served: tuple[NodeStore, str, list[int]],
 ) -> None:
     store, path, _ = served
-    c, arena = connect(path)
-    try:
+    with connected(path) as (c, arena):
         [slot] = c.reserve([H[0]]).slots
         assert slot is not None
         written = [Written(slot, arena.write(slot, np.ones(PAGE, np.uint8)))]
@@ -215,18 +207,14 @@ def test_a_commit_into_another_arena_is_refused(
         assert store.summary()["pages"] == 0
         c.commit(written, arena.name)
         assert store.summary()["pages"] == 1
-    finally:
-        c.close()
-        arena.close()
 
 
 def test_a_commit_of_slots_reserved_on_another_connection_is_refused(
     served: tuple[NodeStore, str, list[int]],
 ) -> None:
     store, path, _ = served
-    c, arena = connect(path)
     other = StoreClient(path)
-    try:
+    with connected(path) as (c, arena):
         [slot] = c.reserve([H[0]]).slots
         assert slot is not None
         written = [Written(slot, arena.write(slot, np.ones(PAGE, np.uint8)))]
@@ -237,7 +225,4 @@ def test_a_commit_of_slots_reserved_on_another_connection_is_refused(
         assert store.summary()["pages"] == 0
         c.commit(written, arena.name)
         assert store.summary()["pages"] == 1
-    finally:
-        other.close()
-        c.close()
-        arena.close()
+    other.close()
