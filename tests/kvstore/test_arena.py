@@ -1,4 +1,6 @@
+import errno
 import multiprocessing as mp
+import os
 import subprocess
 import sys
 import uuid
@@ -109,3 +111,45 @@ def test_orphaned_arenas_are_removed_and_mapped_ones_kept() -> None:
         live.close()
     assert unlink_orphaned(prefix) == [prefix + "held"]
     assert not list(Path("/dev/shm").glob(prefix + "*"))
+
+
+def _mapped_kib(name: str) -> int:
+    """This process's resident KiB of its mapping of segment ``name``."""
+    smaps = Path("/proc/self/smaps").read_text().split("\n")
+    for i, line in enumerate(smaps):
+        if line.endswith(f"/dev/shm/{name}"):
+            rss = next(x for x in smaps[i + 1 :] if x.startswith("Rss:"))
+            return int(rss.split()[1])
+    raise AssertionError(f"{name} is not mapped")
+
+
+def test_a_new_arena_has_its_memory_and_every_process_maps_it_at_once() -> None:
+    pages = 64
+    arena = Arena.create(_name(), pages, PAGE_BYTES)
+    other = Arena.attach(arena.name, pages, PAGE_BYTES)  # as an engine attaches
+    try:
+        fd = arena._shm._fd  # type: ignore[attr-defined]
+        # every page's memory is the segment's already (not left to its first write)
+        assert os.fstat(fd).st_blocks * 512 >= pages * PAGE_BYTES
+        release = tuple(int(x) for x in os.uname().release.split(".")[:2])
+        if release < (5, 14):
+            pytest.skip("mapping a segment in at once needs Linux 5.14+")
+        # and both mappings are in place before any page is touched
+        assert _mapped_kib(arena.name) >= pages * PAGE_BYTES // 1024
+    finally:
+        other.close()
+        arena.close()
+
+
+def test_an_arena_larger_than_shared_memory_is_refused_with_a_message(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_room(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    name = _name()
+    with pytest.raises(OSError, match=r"kvstore\.capacity_bytes") as e:
+        Arena.create(name, PAGES, PAGE_BYTES)
+    assert e.value.errno == errno.ENOSPC
+    assert not (Path("/dev/shm") / name).exists()  # nothing left behind
