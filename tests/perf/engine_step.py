@@ -249,7 +249,7 @@ def main() -> None:
     os.sched_setaffinity(0, others)
     store = Running(socket, capacity_bytes=512 << 20)
     ctx = mp.get_context("spawn")
-    # Neighbours on another core, stopped but while a "+KIND" variant runs.
+    # Neighbours on another core, stopped except while a "+KIND" variant runs.
     kinds = {v.partition("+")[2] for v in variants} - {""}
     neighbours = {k: neighbour.start(k, args.duty, min(others)) for k in kinds}
     for proc in neighbours.values():
@@ -259,10 +259,6 @@ def main() -> None:
         mine, theirs = ctx.Pipe()
         env, engine_args, polls = _spec(_base(v), socket)
         engine, _, tree = v.partition("@")
-        if tree:  # its engine core imports moe-cluster's modules from there
-            env["PYTHONPATH"] = (
-                f"{Path(tree).resolve()}:{os.environ.get('PYTHONPATH', '')}"
-            )
         split = engine.endswith("-split")
         proc = ctx.Process(
             target=_worker,
