@@ -2,19 +2,20 @@
 cluster out of the way.
 
     .venv/bin/python -m tests.perf.engine_step [--variants bare,moe,...]
-        [--batch 4] [--trials 12] [--core N] [--duty 0.3] [--label L]
+        [--batch 4] [--trials 12] [--prompt-tokens 128] [--core N] [--duty 0.3]
+        [--label L]
 
 Each variant is one vLLM engine run as an engine replica runs it: ``AsyncLLM``
 in a process of its own (on the other cores), its engine core (the uni
 executor, one OpenMP thread) spawned onto core ``--core`` (the node's last by
 default), the same core for every variant. The variants take turns, one at a
 time, in a new order each trial, so the machine's drifts in pace fall on every
-variant alike: each runs ``--batch`` new requests at once (128 prompt tokens,
-every prompt new, 64 output tokens). Per variant it prints the median time
-between a request's tokens (the decode step) and its mean, the median tokens/s
-of a whole trial, each as the median of its ratios to the first variant's in
-the same trial (with their range), the engine core's CPU per token and the
-time to first token; and it appends them, with every trial, to
+variant alike: each runs ``--batch`` new requests at once (``--prompt-tokens``
+prompt tokens, 128 by default, every prompt new; 64 output tokens). Per variant
+it prints the median time between a request's tokens (the decode step) and its
+mean, the median tokens/s of a whole trial, each as the median of its ratios to
+the first variant's in the same trial (with their range), the engine core's CPU
+per token and the time to first token; and it appends them, with every trial, to
 ``tests/perf/results/engine_step.jsonl``.
 
 Variants, ``BASE[-split][@TREE][+KIND]``:
@@ -126,6 +127,7 @@ def _worker(
     split: bool,
     tree: str,
     core: int,
+    prompt_tokens: int,
     conn: Any,
 ) -> None:
     """One variant's engine, run as an engine replica runs it: ``AsyncLLM`` here
@@ -165,7 +167,7 @@ def _worker(
         return sum(sum(c.cpu_times()[:2]) for c in cores)
 
     async def one(rid: str, gaps: list[float], firsts: list[float]) -> int:
-        ids = [rng.randrange(4, 1000) for _ in range(PROMPT_TOKENS)]
+        ids = [rng.randrange(4, 1000) for _ in range(prompt_tokens)]
         last = None
         sent = time.perf_counter()
         tokens = 0
@@ -232,6 +234,7 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--trials", type=int, default=12)
+    p.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
     p.add_argument("--label", default="", help="names the row in the results")
     p.add_argument("--duty", type=float, default=0.3, help="+KIND neighbours' duty")
     p.add_argument("--core", type=int, default=max(os.sched_getaffinity(0)))
@@ -262,7 +265,17 @@ def main() -> None:
         split = engine.endswith("-split")
         proc = ctx.Process(
             target=_worker,
-            args=(v, env, engine_args, polls, split, tree, args.core, theirs),
+            args=(
+                v,
+                env,
+                engine_args,
+                polls,
+                split,
+                tree,
+                args.core,
+                args.prompt_tokens,
+                theirs,
+            ),
         )
         proc.start()
         theirs.close()  # a variant that fails to start: EOFError, not a hang
