@@ -50,8 +50,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +117,11 @@ class Peer:
     scenarios: tuple[str, ...]
     uses_ray: bool = True
     env: tuple[tuple[str, str], ...] = ()
+
+    def with_args(self, extra: Sequence[str]) -> Peer:
+        """This peer, its server started with ``extra`` after its own arguments."""
+        command, more = self.command, tuple(extra)
+        return replace(self, command=lambda replicas: [*command(replicas), *more])
 
 
 def is_moe(key: str) -> bool:

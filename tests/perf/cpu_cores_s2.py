@@ -20,7 +20,6 @@ import asyncio
 import json
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from tests.perf.compare_peers import PEERS, RESULTS, Server, flood, machine
@@ -35,7 +34,7 @@ def main() -> None:
     args = p.parse_args()
     base = next(peer for peer in PEERS if peer.key == "moe")
     extra = ["--engine-json", json.dumps({"cpu_cores": args.cpu_cores})]
-    peer = replace(base, command=lambda r: [*base.command(r), *extra])
+    peer = base.with_args(extra)
     logs = Path(tempfile.mkdtemp(prefix="cpu-cores-s2-"))
     server = Server(peer, 1, logs / "server.log")
     try:

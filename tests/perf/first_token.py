@@ -127,7 +127,7 @@ def main() -> None:
     args = p.parse_args()
     base = next(peer for peer in PEERS if peer.key == args.system)
     extra = shlex.split(args.server_args)
-    peer = replace(base, command=lambda r: [*base.command(r), *extra])
+    peer = base.with_args(extra)
     logs = Path(tempfile.mkdtemp(prefix="first-token-"))
     server = Server(peer, 1, logs / "server.log")
     try:

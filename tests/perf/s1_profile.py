@@ -30,7 +30,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -199,7 +198,7 @@ def main() -> None:
         if args.system not in ("vllm", "vllm-uni"):
             p.error("--vllm-no-stats is bare vLLM's (system vllm or vllm-uni)")
         extra.append("--disable-log-stats")
-    peer = replace(base, command=lambda r: [*base.command(r), *extra])
+    peer = base.with_args(extra)
     logs = Path(tempfile.mkdtemp(prefix="s1-"))
     started = time.time()
     server = Server(peer, 1, logs / "server.log")
