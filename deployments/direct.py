@@ -18,6 +18,13 @@ engine runs on, and the ingress calls it on its own: one process hop each way.
   (``EngineServer.direct_endpoint``), the first time the router places a request
   there; that request, and any while the answer is on its way, go through
   Serve's handle as before.
+- **TLS.** Where the cluster runs with Ray's TLS (``cluster.tls``: the files
+  Ray's own gRPC servers and channels use), the replica listens with them
+  and requires the caller's certificate, signed by that CA, as Ray's servers do;
+  its endpoint says so, and the ingress connects with the same files. An ingress
+  that cannot (no TLS files there) sends that replica's streams through Serve,
+  whose own calls follow Ray's TLS, and says why once. Without ``RAY_USE_TLS``
+  the channel is plaintext, as Ray's own traffic then is.
 - **Failures.** A call that fails (the replica died, its server stopped) raises
   ``DirectStreamFailed``, which the ingress treats as any engine failure: retried
   elsewhere before output, resumed elsewhere after it. Where the replica is
@@ -46,7 +53,7 @@ import grpc
 from opentelemetry import context as otel_context
 from ray.serve.exceptions import RequestCancelledError
 
-from cluster import tracing
+from cluster import tls, tracing
 from deployments.protocol import EngineEvent, EngineRequest
 
 logger = logging.getLogger("moe_cluster.direct")
@@ -75,6 +82,25 @@ class Endpoint:
     replica_id: str
     address: str  # host:port
     token: str
+    encrypted: bool = False  # Ray's TLS: the caller must connect with it
+
+
+def _channel(endpoint: Endpoint) -> grpc.aio.Channel:
+    """A channel to ``endpoint``, over TLS with this node's files where the
+    replica listens with TLS."""
+    if not endpoint.encrypted:
+        return grpc.aio.insecure_channel(endpoint.address, options=_OPTIONS)
+    files = tls.files()
+    if files is None:
+        raise RuntimeError(
+            f"replica {endpoint.replica_id} takes direct streams over TLS, and "
+            f"{tls.FLAG} is not set here"
+        )
+    chain, key, ca = files
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=ca, private_key=key, certificate_chain=chain
+    )
+    return grpc.aio.secure_channel(endpoint.address, credentials, options=_OPTIONS)
 
 
 class DirectStreamFailed(Exception):
@@ -113,12 +139,23 @@ class DirectServer:
             (grpc.method_handlers_generic_handler(SERVICE, {"Generate": handler}),)
         )
         host = f"[{self._host}]" if ":" in self._host else self._host  # IPv6
-        port = server.add_insecure_port(f"{host}:0")
+        files = tls.files()
+        if files is None:
+            port = server.add_insecure_port(f"{host}:0")
+        else:
+            chain, key, ca = files
+            credentials = grpc.ssl_server_credentials(
+                [(key, chain)], root_certificates=ca, require_client_auth=True
+            )
+            port = server.add_secure_port(f"{host}:0", credentials)
         if not port:
             raise RuntimeError(f"direct streams: cannot listen on {host}")
         await server.start()
         self._server = server
-        self.endpoint = Endpoint(self._replica_id, f"{host}:{port}", self._token)
+        address = f"{host}:{port}"
+        self.endpoint = Endpoint(
+            self._replica_id, address, self._token, files is not None
+        )
         return self.endpoint
 
     async def stop(self, grace_s: float) -> None:
@@ -285,13 +322,18 @@ class DirectStreams:
         try:
             endpoint = await asyncio.wait_for(self._ask(replica_id), ASK_TIMEOUT_S)
             if endpoint is None:  # it serves none: Serve's handle it is
-                self._without[replica_id] = None
-                while len(self._without) > CHANNELS_KEPT:
-                    self._without.popitem(last=False)
+                self._use_serve(replica_id)
                 return
             if endpoint.replica_id != replica_id:
                 return  # it left, and another replica answered
-            channel = grpc.aio.insecure_channel(endpoint.address, options=_OPTIONS)
+            try:
+                channel = _channel(endpoint)
+            except Exception as e:  # no TLS here: Serve's handle it is
+                logger.warning(
+                    "direct streams from %s go through Serve: %s", replica_id, e
+                )
+                self._use_serve(replica_id)
+                return
             self._known[replica_id] = (endpoint, _Channel(channel))
             while len(self._known) > CHANNELS_KEPT:
                 _, (_, oldest) = self._known.popitem(last=False)
@@ -300,6 +342,12 @@ class DirectStreams:
             logger.info("no direct endpoint for replica %s yet: %r", replica_id, e)
         finally:
             self._asking.pop(replica_id, None)
+
+    def _use_serve(self, replica_id: str) -> None:
+        """Its streams go through Serve's handle from now on: not asked again."""
+        self._without[replica_id] = None
+        while len(self._without) > CHANNELS_KEPT:
+            self._without.popitem(last=False)
 
     def forget(self, replica_id: str, endpoint: Endpoint | None = None) -> None:
         """Drops a replica's endpoint (its call failed); asked for again on its

@@ -40,7 +40,7 @@ from router.types import (
     Ticket,
     Transition,
 )
-from router.wire import AdmissionServer
+from router.wire import AdmissionServer, WireEndpoint
 
 logger = logging.getLogger("moe_cluster.router")
 METRICS_INTERVAL_S = 1.0  # gauges from a snapshot this often
@@ -77,7 +77,7 @@ class DeepSeekRouter:
         tracing.install_log_context()
         self._tracer = tracing.tracer()
         self._tasks: list[asyncio.Task[None]] = []
-        self._wire: asyncio.Future[str] | None = None  # the admission socket
+        self._wire: asyncio.Future[WireEndpoint] | None = None  # the admission socket
         # Tickets admit_many left queued, by request id, until ``admission``.
         self._waiting: dict[str, asyncio.Future[RouteDecision | Shed]] = {}
         logger.info("DeepSeekRouter up (policy %s)", config.policy)
@@ -229,9 +229,9 @@ class DeepSeekRouter:
             logger.info("replicas stopping, draining: %s", ", ".join(removed))
         self._service.serving_changed(added, removed)
 
-    async def admission_endpoint(self) -> str:
-        """``host:port`` of this router's admission socket (``router.wire``),
-        opened on the first ask, on this node's address."""
+    async def admission_endpoint(self) -> WireEndpoint:
+        """Where this router's admission socket (``router.wire``) listens, and
+        its token: opened on the first ask, on this node's address."""
         self._start()
         if self._wire is None:
             server = AdmissionServer(self.admit_many, self.release_many)

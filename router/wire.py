@@ -12,6 +12,14 @@ methods, so the QoS order and every decision are the same; everything else
     answer:  | length | msgpack [seq, [[kind, value], ...]] |    (admissions only)
              | length | msgpack [seq, "message"] |   the router's admit_many raised
 
+A connection opens with the router's token (drawn when its socket opens, and
+handed to each ingress with the socket's address through Ray), which the router
+checks before it reads anything else; a connection without it is dropped
+unanswered. Where the cluster runs with Ray's TLS (``cluster.tls``), the socket
+takes TLS connections only, each with a certificate the cluster's CA signed.
+
+    hello:   | length | msgpack [0, "hello", token] |   answered [0, []]
+
 A connection that fails fails the batch in flight on it: the ingress then admits
 those tickets again through Ray, as after a router restart (``LinkDown.sent``
 says whether the router may have seen the batch). The next batch connects again,
@@ -22,15 +30,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import itertools
 import logging
+import secrets
 import struct
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
+from cluster import tls
 from router.types import Release, RouteDecision, Shed, Ticket
 
 logger = logging.getLogger("moe_cluster.router")
@@ -38,17 +50,29 @@ logger = logging.getLogger("moe_cluster.router")
 _LEN = struct.Struct(">I")
 MAX_FRAME = 64 << 20
 RECONNECT_PAUSE_S = 1.0  # after a failed connection, Ray carries the calls this long
+HELLO_TIMEOUT_S = 10.0  # a connection's token, and the router's answer to it
 
 Answer = RouteDecision | Shed | None
 AdmitMany = Callable[[list[Ticket]], Awaitable[list[Answer]]]
 ReleaseMany = Callable[[list[Release]], Awaitable[None]]
 
-_ADMIT, _RELEASE = "admit", "release"
+_HELLO, _ADMIT, _RELEASE = "hello", "admit", "release"
 _encoder = msgspec.msgpack.Encoder()
 _frame_decoder = msgspec.msgpack.Decoder(tuple[int, str, msgspec.Raw])
 _tickets = msgspec.msgpack.Decoder(list[Ticket])
 _releases = msgspec.msgpack.Decoder(list[Release])
+_token = msgspec.msgpack.Decoder(str)
 _answers = msgspec.msgpack.Decoder(tuple[int, list[tuple[str, Any]] | str])
+
+
+@dataclass(frozen=True, slots=True)
+class WireEndpoint:
+    """Where a router takes admissions: its socket's ``host:port``, the token a
+    connection opens with, and whether it takes TLS connections only."""
+
+    address: str
+    token: str
+    encrypted: bool = False
 
 
 class RouterError(Exception):
@@ -99,15 +123,18 @@ class AdmissionServer:
 
     def __init__(self, admit_many: AdmitMany, release_many: ReleaseMany) -> None:
         self._admit_many, self._release_many = admit_many, release_many
+        self._token = secrets.token_hex(16)
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
 
-    async def start(self, host: str) -> str:
-        """Listens on ``host`` (a free port); returns ``host:port``."""
-        self._server = await asyncio.start_server(self._serve, host, 0)
+    async def start(self, host: str) -> WireEndpoint:
+        """Listens on ``host`` (a free port), with Ray's TLS where the cluster
+        runs with it; returns where, and the token."""
+        context = tls.server_context()
+        self._server = await asyncio.start_server(self._serve, host, 0, ssl=context)
         port = self._server.sockets[0].getsockname()[1]
-        return f"{host}:{port}"
+        return WireEndpoint(f"{host}:{port}", self._token, context is not None)
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -125,6 +152,8 @@ class AdmissionServer:
     ) -> None:
         self._writers.add(writer)
         try:
+            if not await self._hello(reader, writer):
+                return
             while True:
                 seq, method, payload = _frame_decoder.decode(await _read_frame(reader))
                 work: Awaitable[None]
@@ -137,11 +166,31 @@ class AdmissionServer:
                 task = asyncio.ensure_future(work)  # answered in any order
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
-        except (asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError):
+        except (
+            asyncio.IncompleteReadError,
+            ConnectionError,
+            msgspec.DecodeError,
+            TimeoutError,
+        ):
             pass  # the ingress went away, or spoke nonsense: drop it
         finally:
             self._writers.discard(writer)
             writer.close()
+
+    async def _hello(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> bool:
+        """Whether the connection opened with this router's token (answered);
+        anything else is dropped before another frame is read."""
+        frame = await asyncio.wait_for(_read_frame(reader), HELLO_TIMEOUT_S)
+        seq, method, payload = _frame_decoder.decode(frame)
+        token = _token.decode(payload) if method == _HELLO else ""
+        if not hmac.compare_digest(token.encode(), self._token.encode()):
+            peer = writer.get_extra_info("peername")
+            logger.warning("admission socket: dropped %s, without the token", peer)
+            return False
+        writer.write(_frame((seq, [])))
+        return True
 
     async def _admit(
         self, seq: int, tickets: list[Ticket], writer: asyncio.StreamWriter
@@ -161,7 +210,7 @@ class AdmissionLink:
     needed (``endpoint`` asks the router where it listens) and again after a
     failure, at most once per ``RECONNECT_PAUSE_S``."""
 
-    def __init__(self, endpoint: Callable[[], Awaitable[str]]) -> None:
+    def __init__(self, endpoint: Callable[[], Awaitable[WireEndpoint]]) -> None:
         self._endpoint = endpoint
         self._writer: asyncio.StreamWriter | None = None
         self._connecting: asyncio.Task[asyncio.StreamWriter] | None = None
@@ -218,8 +267,23 @@ class AdmissionLink:
                 self._connecting = None
 
     async def _connect(self) -> asyncio.StreamWriter:
-        host, _, port = (await self._endpoint()).rpartition(":")
-        reader, writer = await asyncio.open_connection(host, int(port))
+        endpoint = await self._endpoint()
+        host, _, port = endpoint.address.rpartition(":")
+        context = tls.client_context() if endpoint.encrypted else None
+        if endpoint.encrypted and context is None:
+            raise RuntimeError(
+                f"the router's admission socket takes TLS only, and {tls.FLAG} "
+                "is not set here"
+            )
+        reader, writer = await asyncio.open_connection(host, int(port), ssl=context)
+        try:
+            writer.write(_frame((0, _HELLO, endpoint.token)))
+            frame = await asyncio.wait_for(_read_frame(reader), HELLO_TIMEOUT_S)
+            if _answers.decode(frame) != (0, []):
+                raise ConnectionError("the router did not take the connection")
+        except BaseException:
+            writer.close()
+            raise
         self._writer = writer
         self._reading = asyncio.ensure_future(self._read(reader, writer))
         return writer

@@ -31,7 +31,7 @@ from typing import Any
 from deployments.ingress.errors import EngineUnavailable
 from router.tickets import TicketMaker
 from router.types import Outcome, Release, RouteDecision, Shed, Ticket
-from router.wire import AdmissionLink, LinkDown
+from router.wire import AdmissionLink, LinkDown, WireEndpoint
 
 logger = logging.getLogger("moe_cluster.ingress")
 RETRY_PAUSE_S = 0.2
@@ -136,8 +136,8 @@ class RouterClient:
         answers: list[Any] = await self._handle.admit_many.remote(tickets)
         return answers
 
-    async def _endpoint(self) -> str:
-        endpoint: str = await self._handle.admission_endpoint.remote()
+    async def _endpoint(self) -> WireEndpoint:
+        endpoint: WireEndpoint = await self._handle.admission_endpoint.remote()
         return endpoint
 
     async def _admit_one(self, ticket: Ticket) -> RouteDecision:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import pickle
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -31,6 +33,7 @@ from tests.deployments.engine.test_deployment import (
     start,
     stop,
 )
+from tests.tls_certs import use_tls, write_certs
 from tests.waiting import until
 
 STEPS = [Step([1], "a"), Step([2], "b"), Step([3], "c", finish="length")]
@@ -135,6 +138,79 @@ async def test_a_call_without_the_token_is_refused_before_it_is_read() -> None:
             async for _ in call:
                 pass
     assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    await stop(server)
+
+
+async def test_under_rays_tls_streams_are_encrypted_both_ends_certified(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    env = use_tls(monkeypatch, tmp_path / "cluster")
+    server = await start(direct_config(), FakeAsyncLLM(list(STEPS)))
+    streams = await streams_to(server)
+    endpoint = await server.direct_endpoint()
+    assert endpoint is not None and endpoint.encrypted
+    stream = streams.open(request(), {})
+    assert stream is not None
+    seen = [e async for e in stream]
+    assert seen[0] == Started("replica-a") and isinstance(seen[-1], Finish)
+
+    ca = Path(env["RAY_TLS_CA_CERT"]).read_bytes()
+    stranger = write_certs(tmp_path / "other", "another-ca")  # another CA's node
+    callers = {
+        "plaintext": grpc.aio.insecure_channel(endpoint.address),
+        "no certificate": grpc.aio.secure_channel(
+            endpoint.address, grpc.ssl_channel_credentials(root_certificates=ca)
+        ),
+        "another CA's certificate": grpc.aio.secure_channel(
+            endpoint.address,
+            grpc.ssl_channel_credentials(
+                root_certificates=ca,
+                private_key=Path(stranger["RAY_TLS_SERVER_KEY"]).read_bytes(),
+                certificate_chain=Path(stranger["RAY_TLS_SERVER_CERT"]).read_bytes(),
+            ),
+        ),
+    }
+    for caller, channel in callers.items():
+        call = channel.unary_stream(direct.GENERATE)(
+            pickle.dumps(request("r9")),
+            metadata=((direct.TOKEN_KEY, endpoint.token),),  # even with the token
+            timeout=5,
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async for _ in call:
+                pass
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE, caller
+        await channel.close()
+    await streams.close()
+    await stop(server)
+
+
+async def test_an_ingress_without_the_tls_files_streams_through_serve(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    use_tls(monkeypatch, tmp_path)
+    server = await start(direct_config(), FakeAsyncLLM(list(STEPS)))
+    endpoint = await server.direct_endpoint()
+    assert endpoint is not None and endpoint.encrypted
+    monkeypatch.delenv("RAY_USE_TLS")  # the ingress's node has no TLS set up
+    asked: list[str] = []
+
+    async def ask(replica_id: str) -> Endpoint | None:
+        asked.append(replica_id)
+        return endpoint
+
+    streams = DirectStreams(ask)
+    with caplog.at_level(logging.WARNING, "moe_cluster.direct"):
+        assert streams.open(request(), {}) is None
+        await until(lambda: asked and not streams._asking, "the answer")
+    assert streams.known() == []
+    assert "RAY_USE_TLS is not set here" in caplog.text
+    assert streams.open(request(), {}) is None  # Serve's handle, not asked again
+    await asyncio.sleep(0.05)
+    assert asked == ["replica-a"]
+    await streams.close()
     await stop(server)
 
 

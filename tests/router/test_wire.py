@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import ssl
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,7 +13,14 @@ import pytest
 from cluster.qos import QoS
 from router import wire
 from router.types import Outcome, Release, ReplicaId, RouteDecision, Shed, Ticket
-from router.wire import AdmissionLink, AdmissionServer, LinkDown, RouterError
+from router.wire import (
+    AdmissionLink,
+    AdmissionServer,
+    LinkDown,
+    RouterError,
+    WireEndpoint,
+)
+from tests.tls_certs import use_tls, write_certs
 from tests.waiting import until
 
 
@@ -59,7 +69,7 @@ def ticket(rid: str) -> Ticket:
     )
 
 
-async def serve() -> tuple[Router, AdmissionServer, str]:
+async def serve() -> tuple[Router, AdmissionServer, WireEndpoint]:
     router = Router()
     server = AdmissionServer(router.admit_many, router.release_many)
     return router, server, await server.start("127.0.0.1")
@@ -68,7 +78,7 @@ async def serve() -> tuple[Router, AdmissionServer, str]:
 async def test_admissions_and_releases_cross_the_socket_whole() -> None:
     router, server, endpoint = await serve()
 
-    async def where() -> str:
+    async def where() -> WireEndpoint:
         return endpoint
 
     link = AdmissionLink(where)
@@ -100,7 +110,7 @@ async def test_admissions_and_releases_cross_the_socket_whole() -> None:
 async def test_a_router_that_cannot_be_reached_is_left_to_ray_for_a_while() -> None:
     asked = 0
 
-    async def nowhere() -> str:
+    async def nowhere() -> WireEndpoint:
         nonlocal asked
         asked += 1
         raise RuntimeError("no router")
@@ -121,7 +131,7 @@ async def test_a_connection_lost_mid_batch_fails_it_as_sent_then_reconnects(
     monkeypatch.setattr(wire, "RECONNECT_PAUSE_S", 0.0)
     router, server, endpoint = await serve()
 
-    async def where() -> str:
+    async def where() -> WireEndpoint:
         return endpoint
 
     link = AdmissionLink(where)
@@ -143,12 +153,12 @@ async def test_a_connection_lost_mid_batch_fails_it_as_sent_then_reconnects(
 
 async def test_nonsense_on_the_socket_drops_that_connection_only() -> None:
     _router, server, endpoint = await serve()
-    host, _, port = endpoint.rpartition(":")
+    host, _, port = endpoint.address.rpartition(":")
     _, writer = await asyncio.open_connection(host, int(port))
     writer.write(b"\x00\x00\x00\x03abc")
     await writer.drain()
 
-    async def where() -> str:
+    async def where() -> WireEndpoint:
         return endpoint
 
     link = AdmissionLink(where)
@@ -163,7 +173,7 @@ async def test_a_batch_the_router_raises_on_fails_with_its_error_alone() -> None
     other batches go on."""
     _router, server, endpoint = await serve()
 
-    async def where() -> str:
+    async def where() -> WireEndpoint:
         return endpoint
 
     link = AdmissionLink(where)
@@ -171,5 +181,98 @@ async def test_a_batch_the_router_raises_on_fails_with_its_error_alone() -> None
         await link.admit_many([ticket("boom")])
     assert link.up
     assert (await link.admit_many([ticket("a")]))[0] is not None
+    link.close()
+    await server.stop()
+
+
+async def _dropped(reader: asyncio.StreamReader) -> bool:
+    """Whether the router closed the connection without an answer."""
+    try:
+        return await asyncio.wait_for(reader.read(), 5) == b""
+    except ConnectionResetError:
+        return True
+
+
+@pytest.mark.parametrize(
+    "opening",
+    [
+        [(0, "hello", "guess")],  # a wrong token
+        [(1, "admit", [ticket("a")])],  # none: a batch first
+        [(1, "release", [Release("a", Outcome.OK)])],
+    ],
+    ids=["wrong token", "admit first", "release first"],
+)
+async def test_a_connection_without_the_token_is_dropped_before_it_is_read(
+    opening: list[Any],
+) -> None:
+    router, server, endpoint = await serve()
+    host, _, port = endpoint.address.rpartition(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    for frame in [*opening, (2, "admit", [ticket("b")])]:
+        writer.write(wire._frame(frame))
+    await writer.drain()
+    assert await _dropped(reader)
+    assert router.batches == [] and router.released == []
+    writer.close()
+    await server.stop()
+
+
+async def test_a_stale_token_leaves_the_batch_to_ray() -> None:
+    router, server, endpoint = await serve()
+
+    async def stale() -> WireEndpoint:  # another router's token
+        return dataclasses.replace(endpoint, token="0" * 32)
+
+    link = AdmissionLink(stale)
+    with pytest.raises(LinkDown) as e:
+        await link.admit_many([ticket("a")])
+    assert not e.value.sent and not link.up  # never sent: Ray may carry it
+    assert router.batches == []
+    await server.stop()
+
+
+async def test_under_rays_tls_the_socket_takes_certified_tls_connections_only(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    env = use_tls(monkeypatch, tmp_path / "cluster")
+    router, server, endpoint = await serve()
+    assert endpoint.encrypted
+
+    async def where() -> WireEndpoint:
+        return endpoint
+
+    link = AdmissionLink(where)
+    assert (await link.admit_many([ticket("a")]))[0] is not None
+    assert router.batches == [["a"]]
+
+    host, _, port = endpoint.address.rpartition(":")
+    hello = wire._frame((0, "hello", endpoint.token))
+    # Plaintext, even with the token: no answer.
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(hello + wire._frame((1, "admit", [ticket("b")])))
+    assert await _dropped(reader)
+    writer.close()
+    # TLS without a certificate, or with another CA's: the handshake fails.
+    stranger = write_certs(tmp_path / "other", "another-ca")
+    for chain in (None, stranger):
+        context = ssl.create_default_context(cafile=env["RAY_TLS_CA_CERT"])
+        if chain is not None:
+            context.load_cert_chain(
+                chain["RAY_TLS_SERVER_CERT"], chain["RAY_TLS_SERVER_KEY"]
+            )
+        with pytest.raises(
+            (ssl.SSLError, ConnectionError, asyncio.IncompleteReadError)
+        ):
+            reader, writer = await asyncio.open_connection(host, int(port), ssl=context)
+            writer.write(hello + wire._frame((1, "admit", [ticket("c")])))
+            await reader.readexactly(1)
+    assert router.batches == [["a"]]
+
+    # An ingress whose node has no TLS set up leaves its batches to Ray.
+    monkeypatch.delenv("RAY_USE_TLS")
+    plain = AdmissionLink(where)
+    with pytest.raises(LinkDown, match="RAY_USE_TLS is not set here") as e:
+        await plain.admit_many([ticket("d")])
+    assert not e.value.sent
     link.close()
     await server.stop()
