@@ -15,6 +15,8 @@ import contextlib
 import errno
 import mmap
 import os
+import threading
+from collections.abc import Sized
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 
@@ -26,10 +28,33 @@ from kvstore import page_sum
 Bytes = npt.NDArray[np.uint8]
 
 
-_CREATED_HERE: set[str] = set()  # segments this process owns (tracked already)
+_UNTRACKED = threading.Lock()
 
 # Linux 5.14+: fault a whole mapping in, writable, now (Python 3.11 lacks the name).
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def _attach_untracked(segment: str) -> shared_memory.SharedMemory:
+    """Maps an existing segment without telling this process's resource
+    tracker, which would unlink it at exit (Python 3.11's ``SharedMemory``
+    registers every segment it opens; 3.13's ``track=False`` says not to): the
+    owner unlinks it. Unregistering afterwards is not the same: a process that
+    multiprocessing started shares its parent's tracker, so that would also
+    drop the registration of a segment the parent created (the tracker then
+    fails when the parent unlinks it, and no longer cleans up after a parent
+    that dies)."""
+    with _UNTRACKED:  # the tracker's ``register`` is swapped out meanwhile
+        register = resource_tracker.register
+
+        def skip_shared_memory(name: Sized, rtype: str) -> None:
+            if rtype != "shared_memory":
+                register(name, rtype)
+
+        resource_tracker.register = skip_shared_memory
+        try:
+            return shared_memory.SharedMemory(name=segment, create=False)
+        finally:
+            resource_tracker.register = register
 
 
 class CorruptPage(Exception):
@@ -43,14 +68,11 @@ class Arena:
         if num_pages <= 0 or page_bytes <= 0:
             raise ValueError("num_pages and page_bytes must be > 0")
         size = num_pages * page_bytes
-        self._shm = shared_memory.SharedMemory(name=name, create=create, size=size)
         if create:
-            _CREATED_HERE.add(name)
+            self._shm = shared_memory.SharedMemory(name=name, create=True, size=size)
             self._allocate(name, size)
-        elif name not in _CREATED_HERE:
-            # Attaching must not make this process's resource tracker unlink the
-            # segment at exit: the owner does that.
-            resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
+        else:
+            self._shm = _attach_untracked(name)
         self.name, self.num_pages, self.page_bytes = name, num_pages, page_bytes
         self._owner = create
         self._pages: Bytes = np.ndarray(
@@ -70,7 +92,6 @@ class Arena:
         except OSError as e:
             self._shm.close()
             self._shm.unlink()
-            _CREATED_HERE.discard(name)
             if e.errno not in (errno.ENOSPC, errno.ENOMEM):
                 raise
             free = os.statvfs(SHM_DIR)
@@ -129,7 +150,6 @@ class Arena:
         self._shm.close()
         if self._owner:
             self._shm.unlink()
-            _CREATED_HERE.discard(self.name)
 
 
 def checksum(page: Bytes) -> int:

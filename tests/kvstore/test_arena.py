@@ -3,6 +3,7 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+import time
 import uuid
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
@@ -44,6 +45,58 @@ def test_another_process_reads_and_writes_pages_in_place() -> None:
         assert arena.nbytes == PAGES * PAGE_BYTES  # the hard bound
     finally:
         arena.close()
+
+
+PARENT = """
+import multiprocessing as mp
+import os
+import sys
+
+from kvstore.arena import Arena
+
+
+def attach(name):
+    Arena.attach(name, 2, 4096).close()
+
+
+if __name__ == "__main__":
+    Arena.create(sys.argv[1], 2, 4096)
+    child = mp.get_context("spawn").Process(target=attach, args=(sys.argv[1],))
+    child.start()
+    child.join(60)
+    print("child", child.exitcode, flush=True)
+    os._exit(0)  # dies with its arena open: its resource tracker unlinks it
+"""
+
+
+def test_a_child_attaching_leaves_its_parents_arena_to_the_parents_tracker(
+    tmp_path: Path,
+) -> None:
+    # A process multiprocessing starts shares its parent's resource tracker: an
+    # engine core and the replica that spawned it, an engine_step worker and
+    # the store it saves to. Attaching must not drop the parent's registration.
+    name = _name()
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT)
+    root = str(Path(__file__).resolve().parents[2])
+    env = os.environ | {"PYTHONPATH": root}
+    try:
+        run = subprocess.run(
+            [sys.executable, str(script), name],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert run.stdout == "child 0\n", run.stderr
+        assert "KeyError" not in run.stderr
+        segment = Path("/dev/shm") / name
+        deadline = time.monotonic() + 10
+        while segment.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)  # the tracker outlives its parent for a moment
+        assert not segment.exists()  # cleaned up after the dead parent
+    finally:
+        unlink_orphaned(name)
 
 
 def test_a_corrupted_page_is_refused() -> None:
