@@ -70,7 +70,7 @@ class Arena:
         size = num_pages * page_bytes
         if create:
             self._shm = shared_memory.SharedMemory(name=name, create=True, size=size)
-            self._allocate(name, size)
+            self._allocate(size)
         else:
             self._shm = _attach_untracked(name)
         self.name, self.num_pages, self.page_bytes = name, num_pages, page_bytes
@@ -80,7 +80,7 @@ class Arena:
         )
         self._map_in()
 
-    def _allocate(self, name: str, size: int) -> None:
+    def _allocate(self, size: int) -> None:
         """Gives the segment all its memory now. Left to the first write of
         each page, a page written into a new slot cost an engine's step
         90-400 us instead of 12 (147 KiB ``CPU_MLA`` pages on the 2-core EPYC):
