@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from tests.perf.compare_peers import PEERS, S1, Server, closed
-from tests.perf.s1_profile import processes, title
+from tests.perf.s1_profile import cpu_waits, processes, title
 
 VARIANTS = ("as-is", "client-off", "engine-nice-0")
 
@@ -75,11 +75,6 @@ def _pin_threads(cores: set[int]) -> None:
             os.sched_setaffinity(int(tid), cores)
 
 
-def _waited_s(pid: int) -> float:
-    stat = Path(f"/proc/{pid}/task/{pid}/schedstat").read_text()
-    return int(stat.split()[1]) / 1e9
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("system", nargs="?", default="moe")
@@ -119,9 +114,10 @@ def main() -> None:
                     0 if variant == "engine-nice-0" else nice,
                 )
             sampler.reset()
-            waited = _waited_s(engine.pid)
+            waited = cpu_waits([engine])[engine.pid][1]
             got = asyncio.run(closed(S1, 1, args.per_batch, warmup=0, requests=stream))
-            per_request = (_waited_s(engine.pid) - waited) * 1e3 / args.per_batch
+            after = cpu_waits([engine])[engine.pid][1]
+            per_request = (after - waited) * 1e3 / args.per_batch
             tpot, tok_s = got["all"]["tpot_ms"]["p50"], got["all"]["output_tok_s"]
             rows[variant].append((tpot, tok_s, per_request))
             print(
