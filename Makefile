@@ -82,8 +82,9 @@ bench-peers: install
 # One scenario, every peer started afresh each round in a rotating order:
 # moe-cluster's ratios to each reference with a 95% interval (writes
 # tests/perf/results/<scenario>_pairs-<backend>.{json,md}). S1 against bare vLLM
-# (~4.5 min a round on AMX, ~7 on AVX2); S3 against Ray Serve LLM (~6.5 min a
-# round on AMX). Four rounds by default.
+# (~7.5 min a round on AMX, ~10 on AVX2, estimated from the 4.5 and 7 measured
+# before S1's points went from ~20 s to ~50 s); S3 against Ray Serve LLM (~6.5
+# min a round on AMX). Four rounds by default.
 bench-s1-pairs: install
 	$(BIN)/python -m tests.perf.pairs --scenario S1
 

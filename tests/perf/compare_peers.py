@@ -14,7 +14,8 @@ driven over OpenAI HTTP by ``moe-cluster bench``'s load generator with the same
 seeded workloads:
 
 - S1: one replica, closed loop, one and four streams at a time (serving
-  overhead); moe-cluster over gRPC as well as HTTP. No prompt is sent twice to
+  overhead), 144 and 432 requests of 128 + 64 tokens (~45-55 s a point on 2
+  cores); moe-cluster over gRPC as well as HTTP. No prompt is sent twice to
   one server, warmup included, so no prefix cache (vLLM's, or moe-cluster's page
   store) answers any part of one;
 - S2: one replica, a realtime stream (0.5 req/s) under a background flood at 2x
@@ -437,13 +438,13 @@ def run_peer(
                 # prompts at the same point.
                 s1 = S1.requests()
                 out["S1"] = asyncio.run(closed(S1, 1, S1_N, requests=s1))
-                out["S1c4"] = asyncio.run(closed(S1, 4, 4 * S1_N, requests=s1))
+                out["S1c4"] = asyncio.run(closed(S1, 4, S1C4_N, requests=s1))
                 if is_moe(peer.key):  # the gRPC API, requests alike
                     out["S1g"] = asyncio.run(
                         closed(S1, 1, S1_N, grpc=True, requests=s1)
                     )
                     out["S1gc4"] = asyncio.run(
-                        closed(S1, 4, 4 * S1_N, grpc=True, requests=s1)
+                        closed(S1, 4, S1C4_N, grpc=True, requests=s1)
                     )
             if "S2" in todo:
                 if "rate" not in capacity:  # the first peer's capacity sets the load
@@ -468,7 +469,12 @@ def run_peer(
     return out
 
 
-S1_N = 64  # requests per S1 point at c=1 (~20 s); 4x that at c=4
+# Requests per S1 point: ~45-55 s of closed loop at one and at four streams on a
+# 2-core machine. The pace of these machines moves by up to 60% per token from
+# one 8-s stretch to the next (``tests.perf.s1_batches``); a 20-s point rode
+# on two or three such stretches, so a single slow one decided it.
+S1_N = 144
+S1C4_N = 432
 
 
 def prefix_rows(scenario: str, klass: str = "all", label: str = "") -> list[Any]:
