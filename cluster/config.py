@@ -925,6 +925,46 @@ class WorkerGroup(_Strict):
         return self
 
 
+class KubernetesTls(_Strict):
+    """Ray's TLS between the pods (``RAY_USE_TLS``, mutual certificates), which
+    moe-cluster's own sockets between nodes follow (``cluster.tls``)."""
+
+    issuer: Literal["kuberay", "ca_secret"] = Field(
+        description="kuberay: the operator issues the certificates with "
+        "cert-manager (KubeRay >= 1.7 with its RayClusterMTLS feature gate; the "
+        "RayCluster's tlsOptions). ca_secret: each pod's init container issues "
+        "its own from the CA in ca_secret (any KubeRay; `moe-cluster node-cert`)."
+    )
+    ca_secret: str | None = Field(
+        None,
+        min_length=1,
+        description="Secret with the CA's ca.crt and ca.key (issuer ca_secret). "
+        "Only the init containers mount ca.key.",
+    )
+    cluster_domain: str = Field(
+        "cluster.local",
+        min_length=1,
+        description="The Kubernetes cluster's DNS domain: each certificate (issuer "
+        "ca_secret) names every service of the namespace under it, so a worker "
+        "reaching the head's service by name finds it in the head's.",
+    )
+    days: int = Field(
+        365,
+        ge=1,
+        description="Validity of each pod's certificate (issuer ca_secret); Ray "
+        "reads it once at start, so a pod must restart within it.",
+    )
+
+    @model_validator(mode="after")
+    def _secret(self) -> KubernetesTls:
+        if (self.issuer == "ca_secret") != (self.ca_secret is not None):
+            raise ValueError(
+                "kubernetes.tls.ca_secret is required with issuer ca_secret, and "
+                "only then"
+            )
+        return self
+
+
 class KubernetesConfig(_Strict):
     """What `moe-cluster k8s` renders into a KubeRay RayService (the rest of the
     config becomes its serveConfigV2)."""
@@ -974,6 +1014,10 @@ class KubernetesConfig(_Strict):
     )
     autoscaler_upscaling_mode: Literal["Conservative", "Default", "Aggressive"] = (
         "Default"
+    )
+    tls: KubernetesTls | None = Field(
+        None,
+        description="Ray's TLS between the pods (None: plaintext, Ray's default).",
     )
     upgrade_strategy: Literal["NewCluster", "None"] = Field(
         "NewCluster",

@@ -309,6 +309,24 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_node_cert(args: argparse.Namespace) -> int:
+    from cluster import tls
+
+    if args.days < 1:
+        print("--days must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        chain, key, ca = tls.issue_node_files(
+            Path(args.ca_dir), Path(args.out_dir), args.ip, args.dns, args.days
+        )
+    except (OSError, ValueError) as e:
+        print(f"node-cert: {e}", file=sys.stderr)
+        return 1
+    names = ", ".join([*args.ip, *args.dns])
+    print(f"wrote {chain}, {key} and {ca} (for {names}, {args.days} days)")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-cluster", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -362,6 +380,24 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("--config", default=str(DEFAULT_CONFIG))
     k.add_argument("--out", help="write the manifest here")
     k.set_defaults(func=cmd_k8s)
+
+    c = sub.add_parser(
+        "node-cert",
+        help="issue this node's TLS certificate from the cluster's CA (what a "
+        "pod's init container runs under kubernetes.tls.issuer: ca_secret)",
+    )
+    c.add_argument(
+        "--ca-dir", required=True, help="folder with the CA's ca.crt and ca.key"
+    )
+    c.add_argument(
+        "--out-dir",
+        required=True,
+        help="where tls.crt, tls.key and ca.crt are written (RAY_TLS_*)",
+    )
+    c.add_argument("--ip", action="append", default=[], help="an IP SAN (repeat)")
+    c.add_argument("--dns", action="append", default=[], help="a DNS SAN (repeat)")
+    c.add_argument("--days", type=int, default=365, help="validity in days")
+    c.set_defaults(func=cmd_node_cert)
 
     m = sub.add_parser("make-tiny-model", help="write the built-in tiny checkpoint")
     m.add_argument("--out", default=DEFAULT_TINY_MODEL_DIR)

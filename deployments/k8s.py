@@ -7,7 +7,9 @@ worker groups the in-tree autoscaler (v2) adds and removes as Serve's replicas
 (QoS-aware, ``deployment.autoscaling``) need them, ``/dev/shm`` in memory for
 the object store and the page store's arena, the gRPC port named ``serve-grpc``
 (KubeRay >= 1.6 puts it on the Serve service), readiness from
-``grpc.health.v1``, the API keys from a Secret and the ``OTEL_*`` environment.
+``grpc.health.v1``, the API keys from a Secret and the ``OTEL_*`` environment;
+with ``kubernetes.tls``, Ray's mutual TLS in every pod (each pod's certificate
+issued by its init container from a CA Secret, or by KubeRay itself).
 """
 
 from __future__ import annotations
@@ -31,6 +33,15 @@ PORTS = {  # name -> container port (serve and serve-grpc: from the config)
     "client": 10001,
     "metrics": 8080,
 }
+
+
+# Ray's TLS under kubernetes.tls.issuer ca_secret: each pod's init container
+# issues its certificate into a memory-backed folder every container mounts;
+# only the init container mounts the CA's key.
+TLS_DIR = "/etc/ray/tls"
+TLS_VOLUME = "ray-tls"
+CA_SIGNING_DIR = "/etc/ray/ca-signing"
+CA_SIGNING_VOLUME = "ray-ca-signing"
 
 
 def _quantity(nbytes: int) -> str:
@@ -108,7 +119,55 @@ def _env(config: ClusterConfig) -> list[dict[str, Any]]:
             {"name": "OTEL_SERVICE_NAME", "value": k.name},
         ]
     env += [{"name": k, "value": v} for k, v in config.server.serve_env().items()]
-    return env
+    return env + _tls_env(config)
+
+
+def _tls_env(config: ClusterConfig) -> list[dict[str, Any]]:
+    """Ray's TLS variables where this manifest issues the certificates (under
+    the kuberay issuer the operator injects its own)."""
+    tls = config.kubernetes.tls
+    if tls is None or tls.issuer != "ca_secret":
+        return []
+    return [
+        {"name": "RAY_USE_TLS", "value": "1"},
+        {"name": "RAY_TLS_SERVER_CERT", "value": f"{TLS_DIR}/tls.crt"},
+        {"name": "RAY_TLS_SERVER_KEY", "value": f"{TLS_DIR}/tls.key"},
+        {"name": "RAY_TLS_CA_CERT", "value": f"{TLS_DIR}/ca.crt"},
+    ]
+
+
+def _issues_certs(config: ClusterConfig) -> bool:
+    tls = config.kubernetes.tls
+    return tls is not None and tls.issuer == "ca_secret"
+
+
+def _cert_init_container(config: ClusterConfig) -> dict[str, Any]:
+    """Issues the pod's certificate for its IP, loopback and the namespace's
+    services (a worker reaches the head by its service's name) before Ray starts."""
+    k = config.kubernetes
+    tls = k.tls
+    assert tls is not None
+    services = f"*.{k.namespace}.svc"
+    args = ["node-cert", "--ca-dir", CA_SIGNING_DIR, "--out-dir", TLS_DIR]
+    args += ["--ip", "$(POD_IP)", "--ip", "127.0.0.1", "--dns", "localhost"]
+    args += ["--dns", services, "--dns", f"{services}.{tls.cluster_domain}"]
+    args += ["--days", str(tls.days)]
+    resources = {"cpu": "200m", "memory": "256Mi"}
+    return {
+        "name": "ray-tls-cert",
+        "image": k.image,
+        "imagePullPolicy": k.image_pull_policy,
+        "command": ["moe-cluster"],
+        "args": args,
+        "env": [
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+        ],
+        "resources": {"requests": dict(resources), "limits": resources},
+        "volumeMounts": [
+            {"name": CA_SIGNING_VOLUME, "mountPath": CA_SIGNING_DIR, "readOnly": True},
+            {"name": TLS_VOLUME, "mountPath": TLS_DIR},
+        ],
+    }
 
 
 def _container(
@@ -143,6 +202,10 @@ def _container(
         container["volumeMounts"].append(
             {"name": "model", "mountPath": _model_dir(config), "readOnly": True}
         )
+    if _issues_certs(config):
+        container["volumeMounts"].append(
+            {"name": TLS_VOLUME, "mountPath": TLS_DIR, "readOnly": True}
+        )
     return container
 
 
@@ -176,6 +239,13 @@ def _pod(
             }
         )
     spec: dict[str, Any] = {"containers": [container], "volumes": volumes}
+    if _issues_certs(config):
+        assert k.tls is not None and k.tls.ca_secret is not None
+        spec["initContainers"] = [_cert_init_container(config)]
+        volumes += [
+            {"name": TLS_VOLUME, "emptyDir": {"medium": "Memory"}},
+            {"name": CA_SIGNING_VOLUME, "secret": {"secretName": k.tls.ca_secret}},
+        ]
     if selector:
         spec["nodeSelector"] = dict(selector)
     return {"spec": spec}
@@ -205,11 +275,48 @@ def _worker_group(config: ClusterConfig, g: WorkerGroup) -> dict[str, Any]:
     }
 
 
+def _autoscaler(config: ClusterConfig) -> dict[str, Any]:
+    """The in-tree autoscaler, a container of the head pod: it talks to the GCS,
+    so it takes the head's certificate where this manifest issues them."""
+    k = config.kubernetes
+    options: dict[str, Any] = {
+        "version": "v2",
+        "upscalingMode": k.autoscaler_upscaling_mode,
+        "idleTimeoutSeconds": k.autoscaler_idle_timeout_s,
+        "resources": {
+            "requests": {"cpu": "500m", "memory": "512Mi"},
+            "limits": {"cpu": "500m", "memory": "512Mi"},
+        },
+    }
+    if _issues_certs(config):
+        options["env"] = _tls_env(config)
+        options["volumeMounts"] = [
+            {"name": TLS_VOLUME, "mountPath": TLS_DIR, "readOnly": True}
+        ]
+    return options
+
+
 def ray_service(config: ClusterConfig) -> dict[str, Any]:
     k = config.kubernetes
     head_params = _start_params(
         config, **{"num-cpus": "0", "dashboard-host": "0.0.0.0"}
     )
+    cluster: dict[str, Any] = {
+        "rayVersion": RAY_VERSION,
+        "enableInTreeAutoscaling": True,
+        "autoscalerOptions": _autoscaler(config),
+        "headGroupSpec": {
+            "rayStartParams": head_params,
+            "template": _pod(
+                config,
+                _container(config, "ray-head", k.head_cpu, k.head_memory, 0),
+                {},
+            ),
+        },
+        "workerGroupSpecs": [_worker_group(config, g) for g in k.worker_groups],
+    }
+    if k.tls is not None and k.tls.issuer == "kuberay":
+        cluster["tlsOptions"] = {"enabled": True}
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayService",
@@ -221,28 +328,7 @@ def ray_service(config: ClusterConfig) -> dict[str, Any]:
         "spec": {
             "upgradeStrategy": {"type": k.upgrade_strategy},
             "serveConfigV2": yaml.safe_dump(serve_config(config), sort_keys=False),
-            "rayClusterConfig": {
-                "rayVersion": RAY_VERSION,
-                "enableInTreeAutoscaling": True,
-                "autoscalerOptions": {
-                    "version": "v2",
-                    "upscalingMode": k.autoscaler_upscaling_mode,
-                    "idleTimeoutSeconds": k.autoscaler_idle_timeout_s,
-                    "resources": {
-                        "requests": {"cpu": "500m", "memory": "512Mi"},
-                        "limits": {"cpu": "500m", "memory": "512Mi"},
-                    },
-                },
-                "headGroupSpec": {
-                    "rayStartParams": head_params,
-                    "template": _pod(
-                        config,
-                        _container(config, "ray-head", k.head_cpu, k.head_memory, 0),
-                        {},
-                    ),
-                },
-                "workerGroupSpecs": [_worker_group(config, g) for g in k.worker_groups],
-            },
+            "rayClusterConfig": cluster,
         },
     }
 
@@ -271,6 +357,17 @@ def render(config: ClusterConfig, source: str = "") -> str:
             f"# API keys: kubectl create secret generic "
             f"{config.kubernetes.api_keys_secret} "
             f"--from-literal={API_KEYS_SECRET_KEY}='[\"KEY\"]'\n"
+        )
+    tls = config.kubernetes.tls
+    if tls is not None and tls.ca_secret is not None:
+        header += (
+            f"# Ray's TLS: kubectl create secret generic {tls.ca_secret} "
+            "--from-file=ca.crt --from-file=ca.key\n"
+        )
+    elif tls is not None:
+        header += (
+            "# Ray's TLS: KubeRay >= 1.7 with the RayClusterMTLS feature gate, "
+            "and cert-manager\n"
         )
     body = yaml.dump(ray_service(config), Dumper=_Dumper, sort_keys=False, width=88)
     return header + body

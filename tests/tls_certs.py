@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
 
 from cluster import tls
@@ -20,7 +20,7 @@ def _name(common: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
 
 
-def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+def _key_pem(key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey) -> bytes:
     return key.private_bytes(
         serialization.Encoding.PEM,
         serialization.PrivateFormat.PKCS8,
@@ -28,12 +28,16 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     )
 
 
-def write_certs(folder: Path, ca_name: str = "moe-test-ca") -> dict[str, str]:
-    """Writes a CA's certificate and a node's certificate chain and key into
-    ``folder``; Ray's TLS variables naming them."""
-    folder.mkdir(parents=True, exist_ok=True)
+def make_ca(
+    ca_name: str = "moe-test-ca", key_kind: str = "ec"
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey]:
+    """A self-signed CA and its key (``key_kind``: ec or rsa)."""
     now = datetime.datetime.now(datetime.UTC)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey = (
+        rsa.generate_private_key(65537, 2048)
+        if key_kind == "rsa"
+        else ec.generate_private_key(ec.SECP256R1())
+    )
     ca = (
         x509.CertificateBuilder()
         .subject_name(_name(ca_name))
@@ -45,6 +49,25 @@ def write_certs(folder: Path, ca_name: str = "moe-test-ca") -> dict[str, str]:
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(ca_key, hashes.SHA256())
     )
+    return ca, ca_key
+
+
+def write_ca(folder: Path, ca_name: str = "moe-test-ca", key_kind: str = "ec") -> Path:
+    """A CA's ``ca.crt`` and ``ca.key`` in ``folder``, as a Kubernetes Secret
+    volume holding them shows them (``moe-cluster node-cert --ca-dir``)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ca, ca_key = make_ca(ca_name, key_kind)
+    (folder / "ca.crt").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    (folder / "ca.key").write_bytes(_key_pem(ca_key))
+    return folder
+
+
+def write_certs(folder: Path, ca_name: str = "moe-test-ca") -> dict[str, str]:
+    """Writes a CA's certificate and a node's certificate chain and key into
+    ``folder``; Ray's TLS variables naming them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.UTC)
+    ca, ca_key = make_ca(ca_name)
     key = ec.generate_private_key(ec.SECP256R1())
     names = [
         x509.IPAddress(ipaddress.ip_address("127.0.0.1")),

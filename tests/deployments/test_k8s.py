@@ -183,3 +183,106 @@ def test_haproxy_reaches_every_pods_environment() -> None:
             # Serve's controller pace and metrics export, with or without it.
             assert env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.5"
             assert env["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"] == "1000"
+
+
+def tls_config(**tls: Any) -> ClusterConfig:
+    return ClusterConfig.model_validate(
+        {"kubernetes": {"namespace": "llm", "tls": tls}}
+    )
+
+
+def test_ray_tls_from_a_ca_secret_reaches_every_ray_process(
+    rayservice_schema: Any,
+) -> None:
+    config = tls_config(issuer="ca_secret", ca_secret="ray-ca", days=90)
+    text = k8s.render(config)
+    assert "kubectl create secret generic ray-ca --from-file=ca.crt" in text
+    doc = yaml.safe_load(text)
+    jsonschema.validate(doc, rayservice_schema)
+    rc = doc["spec"]["rayClusterConfig"]
+    assert "tlsOptions" not in rc
+    ray_tls = {
+        "RAY_USE_TLS": "1",
+        "RAY_TLS_SERVER_CERT": "/etc/ray/tls/tls.crt",
+        "RAY_TLS_SERVER_KEY": "/etc/ray/tls/tls.key",
+        "RAY_TLS_CA_CERT": "/etc/ray/tls/ca.crt",
+    }
+    tls_mount = {"name": "ray-tls", "mountPath": "/etc/ray/tls", "readOnly": True}
+    for group in pods(doc):
+        spec = group["template"]["spec"]
+        [init] = spec["initContainers"]
+        assert init["command"] == ["moe-cluster"] and init["args"][0] == "node-cert"
+        assert init["env"] == [
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+        ]
+        args = init["args"]
+        sans = [args[i + 1] for i, a in enumerate(args) if a in ("--ip", "--dns")]
+        assert sans == [
+            "$(POD_IP)",
+            "127.0.0.1",
+            "localhost",
+            "*.llm.svc",
+            "*.llm.svc.cluster.local",
+        ]
+        assert args[args.index("--days") + 1] == "90"
+        [c] = spec["containers"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert {k: env[k] for k in ray_tls} == ray_tls
+        assert tls_mount in c["volumeMounts"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["ray-tls"]["emptyDir"] == {"medium": "Memory"}
+        assert volumes["ray-ca-signing"]["secret"] == {"secretName": "ray-ca"}
+        # Only the init container sees the CA's key.
+        assert {m["name"] for m in init["volumeMounts"]} == {
+            "ray-ca-signing",
+            "ray-tls",
+        }
+        assert all(m["name"] != "ray-ca-signing" for m in c["volumeMounts"])
+    autoscaler = rc["autoscalerOptions"]
+    assert {e["name"]: e["value"] for e in autoscaler["env"]} == ray_tls
+    assert autoscaler["volumeMounts"] == [tls_mount]
+
+
+def test_the_init_containers_command_issues_what_ray_reads(tmp_path: Path) -> None:
+    """The rendered init container's arguments, run here with the pod's folders
+    moved under tmp_path: the files Ray's variables name come out."""
+    from tests.tls_certs import write_ca
+
+    config = tls_config(issuer="ca_secret", ca_secret="ray-ca")
+    doc = yaml.safe_load(k8s.render(config))
+    spec = doc["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    [init], [c] = spec["initContainers"], spec["containers"]
+    ca_dir = write_ca(tmp_path / "secret")
+    moved = {k8s.CA_SIGNING_DIR: str(ca_dir), k8s.TLS_DIR: str(tmp_path / "tls")}
+    args = [moved.get(a, a).replace("$(POD_IP)", "10.1.2.3") for a in init["args"]]
+    assert main(args) == 0
+    for e in c["env"]:
+        if e["name"].startswith("RAY_TLS_"):
+            path = e["value"].replace(k8s.TLS_DIR, str(tmp_path / "tls"))
+            assert Path(path).read_bytes().startswith(b"-----BEGIN ")
+
+
+def test_ray_tls_issued_by_kuberay(rayservice_schema: Any) -> None:
+    doc = yaml.safe_load(k8s.render(tls_config(issuer="kuberay")))
+    jsonschema.validate(doc, rayservice_schema)
+    rc = doc["spec"]["rayClusterConfig"]
+    assert rc["tlsOptions"] == {"enabled": True}
+    # The operator mounts the certificates and sets Ray's variables itself.
+    assert "env" not in rc["autoscalerOptions"]
+    for group in pods(doc):
+        spec = group["template"]["spec"]
+        assert "initContainers" not in spec
+        [c] = spec["containers"]
+        assert not any(e["name"].startswith("RAY_TLS") for e in c.get("env", []))
+    plain = yaml.safe_load(k8s.render(ClusterConfig()))
+    assert "tlsOptions" not in plain["spec"]["rayClusterConfig"]
+    assert all("initContainers" not in g["template"]["spec"] for g in pods(plain))
+
+
+@pytest.mark.parametrize(
+    "tls",
+    [{"issuer": "ca_secret"}, {"issuer": "kuberay", "ca_secret": "ray-ca"}],
+)
+def test_a_ca_secret_goes_with_its_issuer_only(tls: dict[str, str]) -> None:
+    with pytest.raises(ValueError, match="ca_secret"):
+        tls_config(**tls)
