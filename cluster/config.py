@@ -944,9 +944,9 @@ class KubernetesTls(_Strict):
     cluster_domain: str = Field(
         "cluster.local",
         min_length=1,
-        description="The Kubernetes cluster's DNS domain: each certificate (issuer "
-        "ca_secret) names every service of the namespace under it, so a worker "
-        "reaching the head's service by name finds it in the head's.",
+        description="The Kubernetes cluster's DNS domain. Each certificate "
+        "(issuer ca_secret) names every service of the namespace under it "
+        "(*.NAMESPACE.svc.DOMAIN): workers reach the head by its service's name.",
     )
     days: int = Field(
         365,

@@ -319,7 +319,7 @@ def cmd_node_cert(args: argparse.Namespace) -> int:
         chain, key, ca = tls.issue_node_files(
             Path(args.ca_dir), Path(args.out_dir), args.ip, args.dns, args.days
         )
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, TypeError) as e:  # TypeError: an encrypted key
         print(f"node-cert: {e}", file=sys.stderr)
         return 1
     names = ", ".join([*args.ip, *args.dns])

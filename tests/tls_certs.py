@@ -1,5 +1,6 @@
 """A cluster's TLS files as Ray reads them (``cluster.tls``): a CA, and a node
-certificate it signed for 127.0.0.1 and localhost, written under a folder."""
+certificate it signed for 127.0.0.1 and localhost, written under a folder; or a
+CA's certificate and key alone, as ``moe-cluster node-cert`` reads them."""
 
 from __future__ import annotations
 

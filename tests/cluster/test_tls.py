@@ -14,10 +14,15 @@ from pathlib import Path
 
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives.serialization import (
+    BestAvailableEncryption,
+    Encoding,
+    PrivateFormat,
+)
 
 from cluster import tls
 from deployments.cli import main
-from tests.tls_certs import write_ca, write_certs
+from tests.tls_certs import make_ca, write_ca, write_certs
 
 
 def issue(ca_dir: Path, out: Path, *names: str) -> int:
@@ -136,6 +141,19 @@ def test_node_cert_refuses_what_would_not_work(
     (tmp_path / "mixed" / "ca.key").write_bytes((other / "ca.key").read_bytes())
     assert issue(tmp_path / "mixed", out, "--ip", "127.0.0.1") == 1
     assert "is not the key of" in capsys.readouterr().err
+    # A CA key under a passphrase (the init container has none to give).
+    ca, ca_key = make_ca()
+    (tmp_path / "locked").mkdir()
+    (tmp_path / "locked" / "ca.crt").write_bytes(ca.public_bytes(Encoding.PEM))
+    (tmp_path / "locked" / "ca.key").write_bytes(
+        ca_key.private_bytes(
+            Encoding.PEM,
+            PrivateFormat.PKCS8,
+            BestAvailableEncryption(b"passphrase"),
+        )
+    )
+    assert issue(tmp_path / "locked", out, "--ip", "127.0.0.1") == 1
+    assert "encrypted" in capsys.readouterr().err
     # A node's certificate in the CA's place.
     assert issue(ca_dir, tmp_path / "node", "--ip", "127.0.0.1") == 0
     (tmp_path / "node" / "ca.crt").write_bytes(
