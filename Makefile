@@ -82,9 +82,9 @@ bench-peers: install
 # One scenario, every peer started afresh each round in a rotating order:
 # moe-cluster's ratios to each reference with a 95% interval (writes
 # tests/perf/results/<scenario>_pairs-<backend>.{json,md}). S1 against bare vLLM
-# (~7.5 min a round on AMX, ~10 on AVX2, estimated from the 4.5 and 7 measured
-# before S1's points went from ~20 s to ~50 s); S3 against Ray Serve LLM (~6.5
-# min a round on AMX). Four rounds by default.
+# (~13 min a round on the 2-core EPYC with S1's ~50-s points, 7 with the ~20-s
+# points before; 4.5 on AMX with those, not measured since); S3 against Ray
+# Serve LLM (~6.5 min a round on AMX). Four rounds by default.
 bench-s1-pairs: install
 	$(BIN)/python -m tests.perf.pairs --scenario S1
 
