@@ -122,11 +122,16 @@ def _env(config: ClusterConfig) -> list[dict[str, Any]]:
     return env + _tls_env(config)
 
 
+def _issues_certs(config: ClusterConfig) -> bool:
+    """Whether each pod issues its own certificate (issuer ca_secret)."""
+    tls = config.kubernetes.tls
+    return tls is not None and tls.issuer == "ca_secret"
+
+
 def _tls_env(config: ClusterConfig) -> list[dict[str, Any]]:
     """Ray's TLS variables where this manifest issues the certificates (under
     the kuberay issuer the operator injects its own)."""
-    tls = config.kubernetes.tls
-    if tls is None or tls.issuer != "ca_secret":
+    if not _issues_certs(config):
         return []
     return [
         {"name": "RAY_USE_TLS", "value": "1"},
@@ -134,11 +139,6 @@ def _tls_env(config: ClusterConfig) -> list[dict[str, Any]]:
         {"name": "RAY_TLS_SERVER_KEY", "value": f"{TLS_DIR}/tls.key"},
         {"name": "RAY_TLS_CA_CERT", "value": f"{TLS_DIR}/ca.crt"},
     ]
-
-
-def _issues_certs(config: ClusterConfig) -> bool:
-    tls = config.kubernetes.tls
-    return tls is not None and tls.issuer == "ca_secret"
 
 
 def _cert_init_container(config: ClusterConfig) -> dict[str, Any]:
