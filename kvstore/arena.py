@@ -28,7 +28,9 @@ from kvstore import page_sum
 Bytes = npt.NDArray[np.uint8]
 
 
-_UNTRACKED = threading.Lock()
+# Held while the resource tracker's ``register`` is swapped out (an attach), and
+# around a create, so another thread's create is never left unregistered.
+_TRACKER = threading.Lock()
 
 # Linux 5.14+: fault a whole mapping in, writable, now (Python 3.11 lacks the name).
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
@@ -43,7 +45,7 @@ def _attach_untracked(segment: str) -> shared_memory.SharedMemory:
     drop the registration of a segment the parent created (the tracker then
     fails when the parent unlinks it, and no longer cleans up after a parent
     that dies)."""
-    with _UNTRACKED:  # the tracker's ``register`` is swapped out meanwhile
+    with _TRACKER:  # the tracker's ``register`` is swapped out meanwhile
         register = resource_tracker.register
 
         def skip_shared_memory(name: Sized, rtype: str) -> None:
@@ -69,7 +71,10 @@ class Arena:
             raise ValueError("num_pages and page_bytes must be > 0")
         size = num_pages * page_bytes
         if create:
-            self._shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+            with _TRACKER:  # registered: not while an attach swaps it out
+                self._shm = shared_memory.SharedMemory(
+                    name=name, create=True, size=size
+                )
             self._allocate(size)
         else:
             self._shm = _attach_untracked(name)
