@@ -74,7 +74,7 @@ clean:
 	rm -rf $(VENV) $(MODEL) .pytest_cache .mypy_cache .ruff_cache
 
 # moe-cluster against bare vLLM and Ray Serve LLM on the same model and workloads
-# (~35 min on AMX, ~40 on AVX2; writes tests/perf/results/peers-<backend>.{json,md},
+# (~45 min on AMX, ~60 on the 2-core EPYC; writes tests/perf/results/peers-<backend>.{json,md},
 # one pair per kind of CPU).
 bench-peers: install
 	$(BIN)/python -m tests.perf.compare_peers

@@ -15,9 +15,8 @@ seeded workloads:
 
 - S1: one replica, closed loop, one and four streams at a time (serving
   overhead), 144 and 432 requests of 128 + 64 tokens (~45-55 s a point on 2
-  cores); moe-cluster over gRPC as well as HTTP. No prompt is sent twice to
-  one server, warmup included, so no prefix cache (vLLM's, or moe-cluster's page
-  store) answers any part of one;
+  cores). No prompt is sent twice to one server, warmup included, so no prefix
+  cache (vLLM's, or moe-cluster's page store) answers any part of one;
 - S2: one replica, a realtime stream (0.5 req/s) under a background flood at 2x
   the baseline's measured capacity (Poisson, 30 s);
 - S3: two replicas, 4 shared prefixes of 512 tokens + 32 distinct tokens each,
@@ -33,6 +32,13 @@ seeded workloads:
 Prompts are sent as text (the seeded token ids decoded with the model's
 tokenizer), the form every peer's router understands; random ids decode to text
 that re-tokenizes to ~1.2x the nominal lengths, the same text for every peer.
+
+moe-cluster runs every scenario over its gRPC API too (the seeded token ids;
+rows "gRPC: ..."), held against the peers' HTTP figures: the others serve
+OpenAI HTTP only. S1, S2 and S3 go on over gRPC on the server their HTTP run
+used, with prompts that server has not seen (S2's flood drawn with another
+seed); S3b and S3c start a fresh server for it. The Serve-proxy setting runs S1
+over both, the prefix policy S3.
 
 Writes ``tests/perf/results/peers-<backend>.json`` (summaries) and
 ``peers-<backend>.md`` (the table of ratios), named by the engines' attention
@@ -118,6 +124,8 @@ class Peer:
     scenarios: tuple[str, ...]
     uses_ray: bool = True
     env: tuple[tuple[str, str], ...] = ()
+    # Of ``scenarios``, those also run over moe-cluster's gRPC API.
+    grpc: tuple[str, ...] = ()
 
     def with_args(self, extra: Sequence[str]) -> Peer:
         """This peer, its server started with ``extra`` after its own arguments."""
@@ -174,6 +182,7 @@ PEERS = (
         "moe-cluster, Serve proxy",
         _module("moe-cluster"),
         ("S1",),
+        grpc=("S1",),
     ),
     # Its HTTP and gRPC through HAProxy to the ingress replicas (server.haproxy).
     Peer(
@@ -181,6 +190,7 @@ PEERS = (
         "moe-cluster",
         _module("moe-cluster", "--server-json", '{"haproxy": true}'),
         ("S1", "S2", "S3", "S3b", "S3c"),
+        grpc=("S1", "S2", "S3", "S3b", "S3c"),
     ),
     # S3 with the router placing by cached prefix instead of load (the default).
     Peer(
@@ -194,6 +204,7 @@ PEERS = (
             '{"policy": "prefix"}',
         ),
         ("S3",),
+        grpc=("S3",),
     ),
 )
 
@@ -204,6 +215,16 @@ def backend_for_peers() -> OpenAIBackend:
     return OpenAIBackend(
         f"http://127.0.0.1:{PORT}", NAME, detokenize=text_prompts(str(MODEL_DIR))
     )
+
+
+def backend(grpc: bool = False) -> Backend:
+    """moe-cluster's gRPC API (token ids), or the OpenAI HTTP API every peer has."""
+    return GrpcBackend(f"127.0.0.1:{PORT + 1}") if grpc else backend_for_peers()
+
+
+def grpc_key(scenario: str) -> str:
+    """The result key of ``scenario`` over gRPC (``S3`` -> ``S3g``)."""
+    return f"{scenario}g"
 
 
 class Server:
@@ -348,11 +369,8 @@ async def closed(
     requests: Iterator[RequestSpec] | None = None,
 ) -> Any:
     """Closed loop: ``n`` requests, or as many as ``duration_s`` allows (n=0)."""
-    backend: Backend = (
-        GrpcBackend(f"127.0.0.1:{PORT + 1}") if grpc else backend_for_peers()
-    )
     return await drive(
-        backend,
+        backend(grpc),
         workload,
         REALTIME_SLO,
         concurrency=concurrency,
@@ -363,20 +381,20 @@ async def closed(
     )
 
 
-async def joining(server: Server) -> dict[str, Any]:
+async def joining(server: Server, grpc: bool = False) -> dict[str, Any]:
     """S3c: the working set warms on one replica; a second is added under the
     load. The summary of the recorded window, and of the requests sent in the
     ``S3C_AFTER_S`` after the new replica ran (``after``)."""
-    backend = backend_for_peers()
+    client = backend(grpc)
     try:
-        await run_closed_loop(backend, S3C.requests(), 4, Limits(None, S3C_WARM_S))
+        await run_closed_loop(client, S3C.requests(), 4, Limits(None, S3C_WARM_S))
         server.add_replica()
         t0 = time.perf_counter()
         records, duration = await run_closed_loop(
-            backend, S3C.requests(), 4, Limits(None, S3C_SECONDS)
+            client, S3C.requests(), 4, Limits(None, S3C_SECONDS)
         )
     finally:
-        await backend.close()
+        await client.close()
     out = summarize(records, duration, REALTIME_SLO)
     scaled = server.scaled(120)
     if scaled is not None:
@@ -388,7 +406,11 @@ async def joining(server: Server) -> dict[str, Any]:
     return out
 
 
-async def flood(background_rate: float, duration_s: float) -> Any:
+async def flood(
+    background_rate: float, duration_s: float, grpc: bool = False, seed: int = 2
+) -> Any:
+    """S2: realtime at 0.5 req/s under background at ``background_rate``, open
+    loop for ``duration_s``."""
     realtime = ClassSpec(
         "realtime", rate=0.5, input_len=lengths(64), output_len=lengths(32)
     )
@@ -398,10 +420,8 @@ async def flood(background_rate: float, duration_s: float) -> Any:
         input_len=FLOOD_SHAPE.input_len,
         output_len=FLOOD_SHAPE.output_len,
     )
-    workload = Workload((realtime, background), seed=2)
-    return await drive(
-        backend_for_peers(), workload, REALTIME_SLO, duration_s=duration_s
-    )
+    workload = Workload((realtime, background), seed=seed)
+    return await drive(backend(grpc), workload, REALTIME_SLO, duration_s=duration_s)
 
 
 def run_peer(
@@ -409,26 +429,41 @@ def run_peer(
     capacity: dict[str, float],
     logs: Path,
     scenarios: frozenset[str] = frozenset(SCENARIOS),
+    grpc: frozenset[str] = frozenset(SCENARIOS),
 ) -> dict[str, Any]:
+    """Runs ``scenarios`` on ``peer``; those of them in ``grpc`` and the peer's
+    ``grpc`` also over moe-cluster's gRPC API, under ``grpc_key``.
+
+    S1, S2 and S3 run over gRPC on the server their HTTP run used, with prompts
+    it has not seen (so no prefix cache answers one the HTTP run sent). S3b and
+    S3c get a fresh server for each API: after 90 s the page store holds the
+    whole working set, or the new replica has joined."""
     out: dict[str, Any] = {}
     kv = ("--kv-cache-mib", str(S3B_KV_CACHE_MIB))
-    for replicas, names, extra in (
-        (1, ("S1", "S2"), ()),
-        (2, ("S3",), ()),
-        (2, ("S3b",), kv),
-        (1, ("S3c",), ("--scalable",)),
+    over_grpc = grpc & set(peer.grpc)
+    for replicas, names, extra, api in (
+        (1, ("S1", "S2"), (), "both"),
+        (2, ("S3",), (), "both"),
+        (2, ("S3b",), kv, "http"),
+        (2, ("S3b",), kv, "grpc"),
+        (1, ("S3c",), ("--scalable",), "http"),
+        (1, ("S3c",), ("--scalable",), "grpc"),
     ):
         todo = [s for s in names if s in peer.scenarios and s in scenarios]
+        if api == "grpc":
+            todo = [s for s in todo if s in over_grpc]
         if not todo:
             continue
-        print(f"== {peer.label}: {replicas} replica(s), {todo}", flush=True)
+        tag = "-grpc" if api == "grpc" else ""
+        print(f"== {peer.label}: {replicas} replica(s), {todo}{tag}", flush=True)
         try:
-            log = logs / f"{peer.key}-{replicas}-{'-'.join(todo)}.log"
+            log = logs / f"{peer.key}-{replicas}-{'-'.join(todo)}{tag}.log"
             server = Server(peer, replicas, log, extra)
         except RuntimeError as e:
             out["error"] = str(e)
             continue
         out[f"startup_s_{replicas}"] = server.startup_s
+        also = api == "both"  # then gRPC after HTTP on this server
         try:
             if "S1" in todo:
                 # One stream of prompts for the server's four points, each point
@@ -439,7 +474,7 @@ def run_peer(
                 s1 = S1.requests()
                 out["S1"] = asyncio.run(closed(S1, 1, S1_N, requests=s1))
                 out["S1c4"] = asyncio.run(closed(S1, 4, S1C4_N, requests=s1))
-                if is_moe(peer.key):  # the gRPC API, requests alike
+                if also and "S1" in over_grpc:  # the gRPC API, requests alike
                     out["S1g"] = asyncio.run(
                         closed(S1, 1, S1_N, grpc=True, requests=s1)
                     )
@@ -453,15 +488,38 @@ def run_peer(
                         "request_rate"
                     ]
                     capacity["measured_on"] = peer.label  # type: ignore[assignment]
-                out["S2"] = asyncio.run(flood(2 * capacity["rate"], 30.0))
+                rate = 2 * capacity["rate"]
+                out["S2"] = asyncio.run(flood(rate, 30.0))
+                if also and "S2" in over_grpc:
+                    # The same rates and shapes, drawn afresh: the flood's own
+                    # prompts again would be answered from the page store.
+                    out[grpc_key("S2")] = asyncio.run(
+                        flood(rate, 30.0, grpc=True, seed=7)
+                    )
             if "S3" in todo:
-                out["S3"] = asyncio.run(closed(S3, concurrency=8, n=48, warmup=4))
+                s3 = S3.requests()  # gRPC goes on with the same prefixes
+                out["S3"] = asyncio.run(
+                    closed(S3, concurrency=8, n=48, warmup=4, requests=s3)
+                )
+                if also and "S3" in over_grpc:
+                    out[grpc_key("S3")] = asyncio.run(
+                        closed(S3, concurrency=8, n=48, grpc=True, requests=s3)
+                    )
             if "S3b" in todo:
-                out["S3b"] = asyncio.run(
-                    closed(S3B, concurrency=4, n=0, warmup=4, duration_s=S3B_SECONDS)
+                name = grpc_key("S3b") if api == "grpc" else "S3b"
+                out[name] = asyncio.run(
+                    closed(
+                        S3B,
+                        concurrency=4,
+                        n=0,
+                        warmup=4,
+                        grpc=api == "grpc",
+                        duration_s=S3B_SECONDS,
+                    )
                 )
             if "S3c" in todo:
-                out["S3c"] = asyncio.run(joining(server))
+                name = grpc_key("S3c") if api == "grpc" else "S3c"
+                out[name] = asyncio.run(joining(server, grpc=api == "grpc"))
         except Exception as e:  # a peer that fails is a result too
             out["error"] = repr(e)
         finally:
@@ -494,6 +552,62 @@ def prefix_rows(scenario: str, klass: str = "all", label: str = "") -> list[Any]
     ]
 
 
+def s2_rows(scenario: str, label: str = "") -> list[Any]:
+    """S2's rows: realtime's first token and goodput, background's throughput."""
+    return [
+        (
+            scenario,
+            "realtime",
+            "ttft_ms",
+            "p50",
+            f"{label}realtime TTFT p50 (ms)",
+            False,
+        ),
+        (
+            scenario,
+            "realtime",
+            "ttft_ms",
+            "p99",
+            f"{label}realtime TTFT p99 (ms)",
+            False,
+        ),
+        (
+            scenario,
+            "realtime",
+            "goodput",
+            None,
+            f"{label}realtime goodput, TTFT<=1s (req/s)",
+            True,
+        ),
+        (
+            scenario,
+            "background",
+            "output_tok_s",
+            None,
+            f"{label}background output tok/s",
+            True,
+        ),
+        (scenario, "all", "errors", None, f"{label}refused/failed requests", None),
+    ]
+
+
+def s3c_rows(scenario: str, label: str = "") -> list[Any]:
+    """S3c's rows: the whole window, when the new replica ran, and after."""
+    return [
+        *prefix_rows(scenario, label=label),
+        (
+            scenario,
+            "after",
+            "new_replica_running_s",
+            None,
+            f"{label}new replica running after (s)",
+            False,
+        ),
+        *prefix_rows(scenario, "after", f"{label}after it runs: "),
+    ]
+
+
+GRPC = "gRPC: "
 ROWS = [
     ("S1", "all", "ttft_ms", "p50", "TTFT p50 (ms)", False),
     ("S1", "all", "tpot_ms", "p50", "TPOT p50 (ms)", False),
@@ -506,27 +620,21 @@ ROWS = [
     ("S1g", "all", "output_tok_s", None, "gRPC: output tok/s", True),
     ("S1gc4", "all", "ttft_ms", "p50", "gRPC c=4: TTFT p50 (ms)", False),
     ("S1gc4", "all", "output_tok_s", None, "gRPC c=4: output tok/s", True),
-    ("S2", "realtime", "ttft_ms", "p50", "realtime TTFT p50 (ms)", False),
-    ("S2", "realtime", "ttft_ms", "p99", "realtime TTFT p99 (ms)", False),
-    ("S2", "realtime", "goodput", None, "realtime goodput, TTFT<=1s (req/s)", True),
-    ("S2", "background", "output_tok_s", None, "background output tok/s", True),
-    ("S2", "all", "errors", None, "refused/failed requests", None),
+    *s2_rows("S2"),
+    *s2_rows(grpc_key("S2"), GRPC),
     *prefix_rows("S3"),
+    *prefix_rows(grpc_key("S3"), label=GRPC),
     *prefix_rows("S3b"),
-    *prefix_rows("S3c"),
-    (
-        "S3c",
-        "after",
-        "new_replica_running_s",
-        None,
-        "new replica running after (s)",
-        False,
-    ),
-    *prefix_rows("S3c", "after", "after it runs: "),
+    *prefix_rows(grpc_key("S3b"), label=GRPC),
+    *s3c_rows("S3c"),
+    *s3c_rows(grpc_key("S3c"), GRPC),
 ]
 
 
-HTTP_OF = {"S1g": "S1", "S1gc4": "S1c4"}
+# A peer that serves HTTP only is held against moe-cluster's gRPC with its HTTP.
+HTTP_OF = {"S1g": "S1", "S1gc4": "S1c4"} | {
+    grpc_key(s): s for s in ("S2", "S3", "S3b", "S3c")
+}
 
 
 def machine() -> str:
@@ -565,7 +673,7 @@ def cell(
     results: dict[str, Any], peer: str, row: tuple[Any, ...]
 ) -> float | str | None:
     scenario, klass, metric, stat, _, _ = row
-    if not is_moe(peer):  # HTTP only: moe-cluster's gRPC against it
+    if not is_moe(peer):
         scenario = HTTP_OF.get(scenario, scenario)
     s = results.get(peer, {}).get(scenario, {}).get(klass)
     if s is None:

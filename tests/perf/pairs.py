@@ -66,6 +66,7 @@ class Scenario:
     name: str  # run_peer's scenario
     points: tuple[Point, ...]
     peers: str  # the default --peers
+    grpc: bool = False  # moe-cluster's gRPC points too (run_peer's grpc)
 
 
 SCENARIOS = {
@@ -81,6 +82,7 @@ SCENARIOS = {
                 Point("S1gc4", "S1c4", "c=4 gRPC"),
             ),
             "moe,vllm,vllm-nostats",
+            grpc=True,
         ),
         Scenario(
             "S3",
@@ -282,7 +284,13 @@ def main() -> None:
         rounds.append(this)
         for key in rotated(keys, i):
             print(f"== round {i + 1}/{first + args.rounds}: {key}", flush=True)
-            this[key] = run_peer(known[key], {}, logs, frozenset({scenario.name}))
+            this[key] = run_peer(
+                known[key],
+                {},
+                logs,
+                frozenset({scenario.name}),
+                frozenset({scenario.name} if scenario.grpc else ()),
+            )
             if "error" in this[key]:
                 print(f"   failed: {this[key]['error']}", flush=True)
         (RESULTS / f"{stem}.json").write_text(
