@@ -33,6 +33,12 @@ engine runs on, and the ingress calls it on its own: one process hop each way.
   streams still on it have ended.
 - **Shutdown.** Serve waits only for the calls it counts, so the replica waits for
   its direct streams itself (its drain, then a hand-off) before its engine stops.
+- **Serve's metrics.** Serve counts only the calls it carries, so the replica
+  records each direct stream in Serve's own per-request series for it
+  (``serve_deployment_request_counter``, ``..._error_counter`` and
+  ``..._processing_latency_ms``, tagged with the ingress request's route), as
+  Serve's replica does for a handle call: the Ray dashboard's Serve views count
+  every request whichever way it came.
 """
 
 from __future__ import annotations
@@ -44,24 +50,33 @@ import hmac
 import logging
 import pickle
 import secrets
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from opentelemetry import context as otel_context
 from ray.serve.exceptions import RequestCancelledError
 
 from cluster import tls, tracing
-from deployments.protocol import EngineEvent, EngineRequest
+from deployments.protocol import (
+    EngineEvent,
+    EngineLost,
+    EngineRequest,
+    Finish,
+    HandOff,
+)
 
 logger = logging.getLogger("moe_cluster.direct")
 
 SERVICE = "moecluster.engine.v1.Direct"
 GENERATE = f"/{SERVICE}/Generate"
 TOKEN_KEY = "x-moe-direct-token"
+ROUTE_KEY = "x-moe-route"  # the ingress request's route, for Serve's metrics
 _EVENT, _ERROR = b"E", b"X"
+_LAST = (Finish, HandOff, EngineLost)  # a stream's last event
 # Requests carry whole prompts (and tool schemas): up to the ingress's own limits.
 MAX_MESSAGE_BYTES = 256 << 20
 _OPTIONS = [
@@ -115,18 +130,69 @@ def _frame_error(e: BaseException) -> bytes:
         return _ERROR + pickle.dumps(RuntimeError(f"{type(e).__name__}: {e}"))
 
 
+class RequestMetrics(Protocol):
+    def record(
+        self, route: str, latency_ms: float, error: BaseException | None
+    ) -> None: ...
+
+
+class ServeRequestMetrics:
+    """Serve's per-request series of this replica (the names, tags and buckets
+    its replica records a handle call under; Ray keeps one series per name, so
+    these add to Serve's own), for the calls Serve does not carry. Only inside a
+    Serve replica, whose deployment, replica and application tags they take."""
+
+    def __init__(self) -> None:
+        from ray.serve import metrics
+        from ray.serve._private.constants import REQUEST_LATENCY_BUCKETS_MS
+
+        self._requests = metrics.Counter(
+            "serve_deployment_request_counter",
+            description=(
+                "The number of queries that have been processed in this replica."
+            ),
+            tag_keys=("route",),
+        )
+        self._errors = metrics.Counter(
+            "serve_deployment_error_counter",
+            description="The number of exceptions that have occurred in this replica.",
+            tag_keys=("route", "exception_type"),  # type: ignore[arg-type]
+        )
+        self._latency = metrics.Histogram(
+            "serve_deployment_processing_latency_ms",
+            description="The latency for queries to be processed.",
+            boundaries=REQUEST_LATENCY_BUCKETS_MS,
+            tag_keys=("route",),
+        )
+
+    def record(
+        self, route: str, latency_ms: float, error: BaseException | None
+    ) -> None:
+        """As Serve's replica records a call: its latency, then an error (a
+        cancelled call is one, of type ``CancelledError``) or a success."""
+        self._latency.observe(latency_ms, tags={"route": route})
+        if error is not None:
+            kind = type(error).__name__
+            self._errors.inc(tags={"route": route, "exception_type": kind})
+        else:
+            self._requests.inc(tags={"route": route})
+
+
 class DirectServer:
-    """The engine replica's side: serves ``generate`` on the running event loop."""
+    """The engine replica's side: serves ``generate`` on the running event loop,
+    recording each call in ``metrics`` (Serve's series, in a Serve replica)."""
 
     def __init__(
         self,
         replica_id: str,
         generate: Callable[[EngineRequest], AsyncIterator[EngineEvent]],
         host: str,
+        metrics: RequestMetrics | None = None,
     ) -> None:
         self._replica_id = replica_id
         self._generate = generate
         self._host = host
+        self._metrics = metrics
         self._token = secrets.token_hex(16)
         self._server: grpc.aio.Server | None = None
         self.endpoint: Endpoint | None = None
@@ -177,15 +243,30 @@ class DirectServer:
         parent = tracing.context_of({k: str(v) for k, v in metadata.items()})
         attached = otel_context.attach(parent) if parent is not None else None
         self.in_flight += 1
+        started = time.perf_counter()
+        error: BaseException | None = None
+        ended = False  # its last event sent: the caller may close the call first
         try:
             async for event in self._generate(request):
                 yield _EVENT + pickle.dumps(event, protocol=5)
+                ended = isinstance(event, _LAST)
         except Exception as e:
+            error = e
             yield _frame_error(e)
+        except BaseException as e:  # cancelled: the caller left
+            error = None if ended else e
+            raise
         finally:
             self.in_flight -= 1
             if attached is not None:
                 otel_context.detach(attached)
+            if self._metrics is not None:
+                route = metadata.get(ROUTE_KEY, "")
+                self._metrics.record(
+                    route if isinstance(route, str) else "",
+                    (time.perf_counter() - started) * 1000,
+                    error,
+                )
 
 
 class _Channel:
@@ -294,10 +375,11 @@ class DirectStreams:
         self._asking: dict[str, asyncio.Task[None]] = {}
 
     def open(
-        self, request: EngineRequest, trace: dict[str, str]
+        self, request: EngineRequest, trace: dict[str, str], route: str = ""
     ) -> DirectStream | None:
         """A direct stream for ``request`` (placed by the router), or None when its
-        replica's endpoint is not known yet (it is asked for, for the next)."""
+        replica's endpoint is not known yet (it is asked for, for the next).
+        ``route``: the ingress request's, for the replica's Serve metrics."""
         rid = request.replica_id
         known = self._known.get(rid) if rid else None
         if known is None:
@@ -314,7 +396,7 @@ class DirectStreams:
         endpoint, channel = known
         call = channel.channel.unary_stream(GENERATE)(
             pickle.dumps(request, protocol=5),
-            metadata=((TOKEN_KEY, endpoint.token), *trace.items()),
+            metadata=((TOKEN_KEY, endpoint.token), (ROUTE_KEY, route), *trace.items()),
         )
         return DirectStream(call, rid, lambda: self.forget(rid, endpoint), channel)
 

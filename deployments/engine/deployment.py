@@ -24,7 +24,7 @@ from ray import serve
 from cluster import gc_pauses, tracing
 from cluster.config import ClusterConfig
 from cluster.loops import every
-from deployments.direct import DirectServer, Endpoint
+from deployments.direct import DirectServer, Endpoint, ServeRequestMetrics
 from deployments.engine import kv_events
 from deployments.engine.reporter import Reporter
 from deployments.engine.vllm_engine import VLLMEngine
@@ -336,7 +336,7 @@ async def _direct_server(
 ) -> DirectServer | None:
     """The replica's direct-stream server, started; None (its streams then go
     through Serve's handle) where it cannot listen."""
-    server = DirectServer(replica_id, generate, host)
+    server = DirectServer(replica_id, generate, host, ServeRequestMetrics())
     try:
         endpoint = await server.start()
     except Exception as e:

@@ -165,6 +165,12 @@ async def _sse(
     yield openai_api.sse("[DONE]")
 
 
+def _route() -> str:
+    """The route of the request this task serves, as Serve tags its replicas'
+    metrics with it (Serve's request context; empty outside a request)."""
+    return serve.context._get_serve_request_context().route
+
+
 def _router_client(config: ClusterConfig) -> RouterClient | None:
     r = config.router
     if not r.enabled:
@@ -228,7 +234,7 @@ class Ingress:
         if self._direct is not None and request.replica_id:
             # Placed by the router: straight to its replica, once its endpoint is
             # known (its first requests go through Serve's handle meanwhile).
-            direct = self._direct.open(request, tracing.carrier())
+            direct = self._direct.open(request, tracing.carrier(), _route())
             if direct is not None:
                 return direct
         # _by_reference=False: Serve's gRPC transport (server.engine_transport).

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import logging
 import pickle
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from ray.serve.exceptions import RequestCancelledError
 
 from deployments import direct
 from deployments.direct import DirectStreamFailed, DirectStreams, Endpoint
+from deployments.engine import deployment as engine_deployment
 from deployments.engine.deployment import EngineServer, Placement
 from deployments.protocol import (
     EngineRequest,
@@ -353,3 +355,109 @@ def test_an_unpicklable_error_still_reaches_the_ingress() -> None:
     frame = direct._frame_error(Local("boom"))
     error = pickle.loads(frame[1:])
     assert isinstance(error, RuntimeError) and "Local: boom" in str(error)
+
+
+class _Recorded:
+    """Serve's per-request series as the replica records them: (route, latency
+    in ms, the error's type or None)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, float, str | None]] = []
+
+    def record(
+        self, route: str, latency_ms: float, error: BaseException | None
+    ) -> None:
+        self.calls.append((route, latency_ms, type(error).__name__ if error else None))
+
+
+@pytest.fixture
+def recorded(monkeypatch: pytest.MonkeyPatch) -> _Recorded:
+    into = _Recorded()
+    monkeypatch.setattr(engine_deployment, "ServeRequestMetrics", lambda: into)
+    return into
+
+
+async def test_serve_metrics_count_every_direct_stream(recorded: _Recorded) -> None:
+    # Serve counts the calls it carries; the replica counts those it does not,
+    # under the route of the ingress's request, as Serve's replica would.
+    failure = RuntimeError("engine broke")
+    llm = FakeAsyncLLM(list(STEPS))
+    server = await start(direct_config(), llm)
+    streams = await streams_to(server)
+    stream = streams.open(request("ok"), {}, "/v1/completions")
+    assert stream is not None
+    assert isinstance([e async for e in stream][-1], Finish)
+    await until(lambda: len(recorded.calls) == 1, "the stream's record")
+    route, latency_ms, error = recorded.calls[0]
+    assert (route, error) == ("/v1/completions", None)
+    assert 0 < latency_ms < 10_000
+
+    llm.fail_after, llm.failure = 0, failure
+    stream = streams.open(request("failed"), {}, "/moecluster.v1.Inference/Generate")
+    assert stream is not None
+    with pytest.raises(RuntimeError, match="engine broke"):
+        async for _ in stream:
+            pass
+    await until(lambda: len(recorded.calls) == 2, "the failure's record")
+    assert recorded.calls[1][0::2] == (
+        "/moecluster.v1.Inference/Generate",
+        "RuntimeError",
+    )
+    await streams.close()
+    await stop(server)
+
+
+async def test_a_cancelled_direct_stream_is_recorded_as_serve_records_one(
+    recorded: _Recorded,
+) -> None:
+    hold = asyncio.Event()
+    server = await start(direct_config(), FakeAsyncLLM(list(STEPS), hold=hold))
+    streams = await streams_to(server)
+    stream = streams.open(request(), {}, "/v1/chat/completions")
+    assert stream is not None
+    events = aiter(stream)
+    await anext(events)
+    stream.cancel()
+    await until(lambda: len(recorded.calls) == 1, "the cancelled stream's record")
+    assert recorded.calls[0][0::2] == ("/v1/chat/completions", "CancelledError")
+    await stop(server)
+
+
+async def test_a_stream_closed_by_its_caller_after_its_last_event_is_a_success() -> (
+    None
+):
+    # The ingress lets a call go once it has the last event, which may reach the
+    # replica before its generator has returned: Serve would count that a success.
+    recorded = _Recorded()
+    after_last = asyncio.Event()
+
+    async def generate(req: EngineRequest) -> AsyncIterator[Any]:
+        yield Started("replica-a")
+        if req.request_id == "finished":
+            yield Finish("length", 3, 3, 0, "replica-a")
+        after_last.set()
+        await asyncio.Event().wait()  # its clean-up, or a stall: never returns
+
+    server = direct.DirectServer("replica-a", generate, "127.0.0.1", recorded)
+    endpoint = await server.start()
+
+    async def ask(replica_id: str) -> Endpoint | None:
+        return endpoint
+
+    streams = DirectStreams(ask)
+    streams.open(request(), {})
+    await until(lambda: streams.known() == ["replica-a"], "the endpoint")
+    for rid, outcome in (("finished", None), ("cut", "CancelledError")):
+        after_last.clear()
+        stream = streams.open(request(rid), {}, "/v1/completions")
+        assert stream is not None
+        events = aiter(stream)
+        await anext(events)
+        if rid == "finished":
+            assert isinstance(await anext(events), Finish)
+        await after_last.wait()
+        stream.cancel()
+        await until(lambda: len(recorded.calls) == 1, f"{rid}'s record")
+        assert recorded.calls.pop()[0::2] == ("/v1/completions", outcome)
+    await streams.close()
+    await server.stop(0)

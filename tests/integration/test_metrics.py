@@ -179,3 +179,77 @@ def test_idle_engines_keep_their_scheduler_gauges(
         values = _samples(served, name)
         assert len(values) >= 2, (name, values)  # every replica, still there
         assert set(values.values()) == {0.0}, (name, values)
+
+
+def _engine_requests(served: Served) -> dict[str, float]:
+    """Serve's count of the engine deployment's requests by route, of those the
+    ingress sends for its clients (not its own calls, which carry no route)."""
+    counts: dict[str, float] = {}
+    for line in metric_lines(served, "ray_serve_deployment_request_counter_total"):
+        if 'deployment="Engine"' not in line or 'route="' not in line:
+            continue
+        route = line.split('route="')[1].split('"')[0]
+        if route:
+            counts[route] = counts.get(route, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def _settled(served: Served) -> dict[str, float]:
+    """``_engine_requests`` once an export interval has passed without change."""
+    import ray
+
+    interval_s = max(ray._config.metrics_report_interval_ms(), 1000) / 1000 + 1
+    last = _engine_requests(served)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        time.sleep(interval_s)
+        now = _engine_requests(served)
+        if now == last:
+            return now
+        last = now
+    raise AssertionError(f"Serve's request counts never settled: {last}")
+
+
+def test_serve_counts_each_request_once_direct_or_not(served: Served) -> None:
+    """The ingress streams from an engine replica past Serve's handle once it
+    knows the replica's endpoint (the first requests placed there go through
+    Serve). Serve's request series for the engine deployment (the Ray
+    dashboard's Serve views) count every request once all the same, under the
+    route the ingress's request had."""
+    before = _settled(served)
+    rounds = 8
+    client = served.client()
+    try:
+        for _ in range(rounds):
+            request = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=list(range(7, 7 + 40))),
+                sampling=pb.SamplingParams(max_tokens=2, temperature=0),
+            )
+            list(client.generate(request, timeout=120))
+            r = httpx.post(
+                f"{served.http_base}/v1/completions",
+                headers={"Authorization": f"Bearer {served.api_key}"},
+                json={
+                    "model": "tiny-deepseek-v2",
+                    "prompt": [5, 6, 7],
+                    "max_tokens": 2,
+                },
+                timeout=60,
+            )
+            assert r.status_code == 200, r.text
+    finally:
+        client.close()
+
+    def added() -> dict[str, float]:
+        now = _engine_requests(served)
+        return {
+            r: now[r] - before.get(r, 0.0) for r in now if now[r] > before.get(r, 0.0)
+        }
+
+    with contextlib.suppress(AssertionError):
+        wait_until(lambda: sum(added().values()) >= 2 * rounds, 90, "the requests")
+    assert sum(added().values()) >= 2 * rounds, (before, _engine_requests(served))
+    _settled(served)
+    # One route for gRPC's requests (the application's), one for HTTP's.
+    assert sorted(added().values()) == [rounds, rounds], added()
+    assert "/v1/completions" in added(), added()

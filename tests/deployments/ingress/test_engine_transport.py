@@ -45,7 +45,9 @@ class _Direct:
         self.known = known
         self.asked: list[str] = []
 
-    def open(self, request: EngineRequest, trace: dict[str, str]) -> str | None:
+    def open(
+        self, request: EngineRequest, trace: dict[str, str], route: str = ""
+    ) -> str | None:
         if request.replica_id in self.known:
             return "direct"
         self.asked.append(request.replica_id)
