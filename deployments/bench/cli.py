@@ -114,6 +114,21 @@ def text_prompts(tokenizer_dir: str) -> Callable[[tuple[int, ...]], str]:
     return lambda ids: str(tokenizer.decode(list(ids), skip_special_tokens=True))
 
 
+def text_prompt_ids(tokenizer_dir: str) -> Callable[[tuple[int, ...]], list[int]]:
+    """Token ids -> the ids a server gets from ``text_prompts``' text: the text
+    tokenized as an OpenAI completions server does (special tokens added), so a
+    token-id API can be sent the same prompts as a text one."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+
+    def ids(prompt: tuple[int, ...]) -> list[int]:
+        text = tokenizer.decode(list(prompt), skip_special_tokens=True)
+        return [int(t) for t in tokenizer(text, add_special_tokens=True).input_ids]
+
+    return ids
+
+
 async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     workload = workload_from(args)
     limits = Limits(args.num_requests, args.duration)

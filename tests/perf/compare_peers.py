@@ -33,9 +33,10 @@ Prompts are sent as text (the seeded token ids decoded with the model's
 tokenizer), the form every peer's router understands; random ids decode to text
 that re-tokenizes to ~1.2x the nominal lengths, the same text for every peer.
 
-moe-cluster runs every scenario over its gRPC API too (the seeded token ids;
-rows "gRPC: ..."), held against the peers' HTTP figures: the others serve
-OpenAI HTTP only. S1, S2 and S3 go on over gRPC on the server their HTTP run
+moe-cluster runs every scenario over its gRPC API too (rows "gRPC: ..."), held
+against the peers' HTTP figures: the others serve OpenAI HTTP only. Its gRPC
+prompts are the token ids the servers get from that text, so both APIs carry
+the same prompts. S1, S2 and S3 go on over gRPC on the server their HTTP run
 used, with prompts that server has not seen (S2's flood drawn with another
 seed); S3b and S3c start a fresh server for it. The Serve-proxy setting runs S1
 over both, the prefix policy S3.
@@ -66,7 +67,7 @@ import httpx
 import psutil
 
 from deployments.bench.backends import Backend, GrpcBackend, OpenAIBackend
-from deployments.bench.cli import text_prompts
+from deployments.bench.cli import text_prompt_ids, text_prompts
 from deployments.bench.report import Slo, summarize, summarize_group
 from deployments.bench.runner import Limits, run_closed_loop, run_open_loop
 from deployments.bench.workload import (
@@ -218,8 +219,13 @@ def backend_for_peers() -> OpenAIBackend:
 
 
 def backend(grpc: bool = False) -> Backend:
-    """moe-cluster's gRPC API (token ids), or the OpenAI HTTP API every peer has."""
-    return GrpcBackend(f"127.0.0.1:{PORT + 1}") if grpc else backend_for_peers()
+    """moe-cluster's gRPC API, or the OpenAI HTTP API every peer has. Over gRPC
+    the prompt is the token ids the peers' servers get from the text sent them
+    (``text_prompt_ids``): the same prompts, whichever API carries them."""
+    if not grpc:
+        return backend_for_peers()
+    ids = text_prompt_ids(str(MODEL_DIR))
+    return GrpcBackend(f"127.0.0.1:{PORT + 1}", prompt_ids=ids)
 
 
 def grpc_key(scenario: str) -> str:

@@ -1,9 +1,12 @@
 import argparse
 import importlib.util
+import itertools
+from pathlib import Path
 
 import pytest
 
 from deployments.bench.cli import check_extra
+from deployments.bench.workload import ClassSpec, LengthRange, Workload
 from deployments.cli import parser
 
 
@@ -27,3 +30,22 @@ def test_a_missing_bench_extra_is_named_before_any_load(
 
 def test_the_installed_extra_covers_every_option() -> None:
     check_extra(bench_args("--backend", "openai", "--plots", "/tmp/plots"))
+
+
+def test_text_prompt_ids_are_what_a_server_tokenizing_the_text_gets(
+    tiny_model: Path,
+) -> None:
+    from transformers import AutoTokenizer
+
+    from deployments.bench.cli import text_prompt_ids, text_prompts
+
+    workload = Workload((ClassSpec("normal", input_len=LengthRange(64, 64)),), seed=3)
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    text, ids = text_prompts(str(tiny_model)), text_prompt_ids(str(tiny_model))
+    for spec in itertools.islice(workload.requests(), 5):
+        # vLLM's completions (special tokens added) and moe-cluster's ingress
+        # (none added: the tiny tokenizer adds none either way) alike.
+        as_vllm = tokenizer(text(spec.prompt)).input_ids
+        as_ingress = tokenizer.encode(text(spec.prompt), add_special_tokens=False)
+        assert ids(spec.prompt) == as_vllm == as_ingress
+        assert len(ids(spec.prompt)) > len(spec.prompt)  # random ids re-tokenize longer
