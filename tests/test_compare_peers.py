@@ -140,3 +140,23 @@ def test_table_holds_moe_grpc_against_the_peers_http() -> None:
     assert rows["output tok/s"].endswith("| 20 | 100 | 5.00x |")
     assert rows["gRPC: output tok/s"].endswith("| 20 | 120 | 6.00x |")
     assert rows["gRPC: TTFT p99 (ms)"].endswith("| 40 | 240 | 6.00x |")
+
+
+def test_grpc_gets_the_prompts_the_http_text_tokenizes_to(
+    monkeypatch: pytest.MonkeyPatch, tiny_model: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    monkeypatch.setattr(cp, "MODEL_DIR", tiny_model)
+    cp._served_ids.cache_clear()
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    text = cp.text_prompts(str(tiny_model))
+    stream = cp.S3B.requests()
+    served = cp.as_served(stream)
+    first = next(served)
+    assert next(stream).index == first.index + 1  # lazily: one taken, one made
+    again = next(cp.S3B.requests())
+    assert first.prompt == tuple(tokenizer(text(again.prompt)).input_ids)
+    assert (first.index, first.max_tokens) == (again.index, again.max_tokens)
+    assert len(first.prompt) > len(again.prompt)  # the text re-tokenizes longer
+    cp._served_ids.cache_clear()

@@ -8,7 +8,7 @@ failures raise ``RequestFailed`` carrying a short code ("RESOURCE_EXHAUSTED",
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -43,19 +43,11 @@ class Backend(Protocol):
 
 
 class GrpcBackend:
-    """moe-cluster's ``moecluster.v1.Inference/Generate``, with the workload's
-    token ids as the prompt, or what ``prompt_ids`` makes of them (the ids a
-    server tokenizing an HTTP backend's text would get, for a like comparison)."""
+    """moe-cluster's ``moecluster.v1.Inference/Generate``."""
 
     name = "grpc"
 
-    def __init__(
-        self,
-        target: str,
-        api_key: str = "",
-        timeout_s: float = 600,
-        prompt_ids: Callable[[tuple[int, ...]], Sequence[int]] | None = None,
-    ) -> None:
+    def __init__(self, target: str, api_key: str = "", timeout_s: float = 600) -> None:
         import grpc
 
         self._channel = grpc.aio.insecure_channel(target)
@@ -64,16 +56,14 @@ class GrpcBackend:
         self._stub = InferenceStub(self._channel)
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._timeout_s = timeout_s
-        self._prompt_ids = prompt_ids
 
     async def stream(self, spec: RequestSpec) -> AsyncIterator[Chunk | Done]:
         import grpc
 
         from deployments.proto import inference_pb2 as pb
 
-        ids = self._prompt_ids(spec.prompt) if self._prompt_ids else spec.prompt
         request = pb.GenerateRequest(
-            token_ids=pb.TokenIds(ids=ids),
+            token_ids=pb.TokenIds(ids=spec.prompt),
             sampling=pb.SamplingParams(
                 max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True
             ),

@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -219,13 +220,24 @@ def backend_for_peers() -> OpenAIBackend:
 
 
 def backend(grpc: bool = False) -> Backend:
-    """moe-cluster's gRPC API, or the OpenAI HTTP API every peer has. Over gRPC
-    the prompt is the token ids the peers' servers get from the text sent them
-    (``text_prompt_ids``): the same prompts, whichever API carries them."""
-    if not grpc:
-        return backend_for_peers()
-    ids = text_prompt_ids(str(MODEL_DIR))
-    return GrpcBackend(f"127.0.0.1:{PORT + 1}", prompt_ids=ids)
+    """moe-cluster's gRPC API (token ids), or the OpenAI HTTP API every peer has
+    (text): give the gRPC one its prompts through ``as_served``."""
+    return GrpcBackend(f"127.0.0.1:{PORT + 1}") if grpc else backend_for_peers()
+
+
+@functools.cache
+def _served_ids() -> Callable[[tuple[int, ...]], list[int]]:
+    return text_prompt_ids(str(MODEL_DIR))
+
+
+def as_served(stream: Iterator[RequestSpec]) -> Iterator[RequestSpec]:
+    """``stream`` with each prompt the token ids the servers get from the text
+    ``backend_for_peers`` sends (``text_prompt_ids``), for the gRPC API: the same
+    prompts over both APIs. Lazily, so the load generator tokenizes a request
+    when it takes it, before its clock starts."""
+    ids = _served_ids()
+    for spec in stream:
+        yield replace(spec, prompt=tuple(ids(spec.prompt)))
 
 
 def grpc_key(scenario: str) -> str:
@@ -375,6 +387,8 @@ async def closed(
     requests: Iterator[RequestSpec] | None = None,
 ) -> Any:
     """Closed loop: ``n`` requests, or as many as ``duration_s`` allows (n=0)."""
+    if grpc:
+        requests = as_served(workload.requests() if requests is None else requests)
     return await drive(
         backend(grpc),
         workload,
@@ -392,12 +406,14 @@ async def joining(server: Server, grpc: bool = False) -> dict[str, Any]:
     load. The summary of the recorded window, and of the requests sent in the
     ``S3C_AFTER_S`` after the new replica ran (``after``)."""
     client = backend(grpc)
+    prompts = as_served if grpc else iter
     try:
-        await run_closed_loop(client, S3C.requests(), 4, Limits(None, S3C_WARM_S))
+        warm = prompts(S3C.requests())
+        await run_closed_loop(client, warm, 4, Limits(None, S3C_WARM_S))
         server.add_replica()
         t0 = time.perf_counter()
         records, duration = await run_closed_loop(
-            client, S3C.requests(), 4, Limits(None, S3C_SECONDS)
+            client, prompts(S3C.requests()), 4, Limits(None, S3C_SECONDS)
         )
     finally:
         await client.close()
@@ -427,7 +443,10 @@ async def flood(
         output_len=FLOOD_SHAPE.output_len,
     )
     workload = Workload((realtime, background), seed=seed)
-    return await drive(backend(grpc), workload, REALTIME_SLO, duration_s=duration_s)
+    requests = as_served(workload.requests()) if grpc else None
+    return await drive(
+        backend(grpc), workload, REALTIME_SLO, duration_s=duration_s, requests=requests
+    )
 
 
 def run_peer(
