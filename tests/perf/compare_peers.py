@@ -219,10 +219,16 @@ def backend_for_peers() -> OpenAIBackend:
     )
 
 
-def backend(grpc: bool = False) -> Backend:
+Prompts = Callable[[Iterator[RequestSpec]], Iterator[RequestSpec]]
+
+
+def api(grpc: bool = False) -> tuple[Backend, Prompts]:
     """moe-cluster's gRPC API (token ids), or the OpenAI HTTP API every peer has
-    (text): give the gRPC one its prompts through ``as_served``."""
-    return GrpcBackend(f"127.0.0.1:{PORT + 1}") if grpc else backend_for_peers()
+    (text), with what a request stream goes through on its way to it: the same
+    prompts over both (``as_served`` for gRPC)."""
+    if grpc:
+        return GrpcBackend(f"127.0.0.1:{PORT + 1}"), as_served
+    return backend_for_peers(), iter
 
 
 @functools.cache
@@ -387,17 +393,16 @@ async def closed(
     requests: Iterator[RequestSpec] | None = None,
 ) -> Any:
     """Closed loop: ``n`` requests, or as many as ``duration_s`` allows (n=0)."""
-    if grpc:
-        requests = as_served(workload.requests() if requests is None else requests)
+    client, prompts = api(grpc)
     return await drive(
-        backend(grpc),
+        client,
         workload,
         REALTIME_SLO,
         concurrency=concurrency,
         n=n,
         warmup=warmup,
         duration_s=duration_s,
-        requests=requests,
+        requests=prompts(workload.requests() if requests is None else requests),
     )
 
 
@@ -405,8 +410,7 @@ async def joining(server: Server, grpc: bool = False) -> dict[str, Any]:
     """S3c: the working set warms on one replica; a second is added under the
     load. The summary of the recorded window, and of the requests sent in the
     ``S3C_AFTER_S`` after the new replica ran (``after``)."""
-    client = backend(grpc)
-    prompts = as_served if grpc else iter
+    client, prompts = api(grpc)
     try:
         warm = prompts(S3C.requests())
         await run_closed_loop(client, warm, 4, Limits(None, S3C_WARM_S))
@@ -443,9 +447,13 @@ async def flood(
         output_len=FLOOD_SHAPE.output_len,
     )
     workload = Workload((realtime, background), seed=seed)
-    requests = as_served(workload.requests()) if grpc else None
+    client, prompts = api(grpc)
     return await drive(
-        backend(grpc), workload, REALTIME_SLO, duration_s=duration_s, requests=requests
+        client,
+        workload,
+        REALTIME_SLO,
+        duration_s=duration_s,
+        requests=prompts(workload.requests()),
     )
 
 
