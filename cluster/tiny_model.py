@@ -32,8 +32,9 @@ TOP_LOGIT = 12.0
 WEIGHT_FILE = "model.safetensors"
 SPEC_FILE = "tiny_model_spec.json"
 # Bumped when what write_tiny_model writes changes (2: DeepSeek's tool-call
-# tokens in the tokenizer, tools in the chat template).
-FORMAT = 3
+# tokens in the tokenizer, tools in the chat template; 4: BOS added to encoded
+# text, as DeepSeek's tokenizers add it).
+FORMAT = 4
 
 
 def is_current(path: Path, fp8: bool = False) -> bool:

@@ -123,6 +123,7 @@ def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
         decoders,
         models,
         pre_tokenizers,
+        processors,
         trainers,
     )
     from transformers import PreTrainedTokenizerFast
@@ -140,6 +141,14 @@ def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     # The trainer makes every reserved token special; the tool tokens are not.
     tok.add_tokens(
         [AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS]
+    )
+    # BOS before every text encoded with special tokens, as DeepSeek's tokenizers
+    # do (add_bos_token): what vLLM's completions and the ingress send the engine.
+    # Chat templates write their own and are encoded without special tokens.
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS.text} $A",
+        pair=f"{BOS.text} $A {BOS.text} $B:1",
+        special_tokens=[(BOS.text, BOS.id)],
     )
     fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok,

@@ -359,8 +359,11 @@ class Frontend:
         return dataclasses.replace(request, tenant=tenant)
 
     def encode_text(self, text: str) -> list[int]:
+        """A text prompt's ids as vLLM's completions make them: with the
+        tokenizer's special tokens (DeepSeek's BOS), so a prompt sent here and to
+        bare vLLM reaches the engine as the same ids."""
         with _tokenize_span() as span:
-            ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
+            ids: list[int] = self.tokenizer.encode(text, add_special_tokens=True)
             span.set_attribute(Attr.PROMPT_TOKENS, len(ids))
         return ids
 

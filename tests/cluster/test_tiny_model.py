@@ -15,7 +15,7 @@ from cluster.tiny_model import (
     greedy_successors,
     write_tiny_model,
 )
-from cluster.tiny_tokenizer import NUM_RESERVED
+from cluster.tiny_tokenizer import BOS, NUM_RESERVED
 
 
 def test_the_checkpoint_is_deterministic(tiny_model: Path, tmp_path: Path) -> None:
@@ -47,6 +47,24 @@ def test_tokenizer_round_trips_and_has_a_chat_template(tiny_model: Path) -> None
         [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
     )
     assert prompt.endswith("User: hi\n\nAssistant:")
+
+
+def test_encoded_text_starts_with_one_bos_as_deepseeks_does(tiny_model: Path) -> None:
+    """DeepSeek's tokenizers add BOS to text (vLLM's completions encode with
+    special tokens); the chat template writes its own, encoded without."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    plain = tok.encode("hello world", add_special_tokens=False)
+    assert tok("hello world").input_ids == [BOS.id, *plain]
+    assert BOS.id not in plain
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+    assert chat[0] == BOS.id and chat.count(BOS.id) == 1
 
 
 def test_greedy_successor_is_a_single_cycle(tiny_model: Path) -> None:

@@ -76,7 +76,7 @@ def test_text_input_is_tokenized_and_detokenized(served: Served) -> None:
     )
     msgs = list(client.generate(request, timeout=120))
     text = "".join(m.chunk.text for m in msgs if m.HasField("chunk"))
-    assert msgs[-1].finished.prompt_tokens == 2
+    assert msgs[-1].finished.prompt_tokens == 3  # BOS, "hello", " world"
     assert msgs[-1].finished.completion_tokens == 8
     assert text  # the engine's incremental detokenization reached the client
 

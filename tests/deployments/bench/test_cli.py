@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster.tiny_tokenizer import BOS
 from deployments.bench.cli import check_extra
 from deployments.bench.workload import ClassSpec, LengthRange, Workload
 from deployments.cli import parser
@@ -43,9 +44,7 @@ def test_text_prompt_ids_are_what_a_server_tokenizing_the_text_gets(
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
     text, ids = text_prompts(str(tiny_model)), text_prompt_ids(str(tiny_model))
     for spec in itertools.islice(workload.requests(), 5):
-        # vLLM's completions (special tokens added) and moe-cluster's ingress
-        # (none added: the tiny tokenizer adds none either way) alike.
-        as_vllm = tokenizer(text(spec.prompt)).input_ids
-        as_ingress = tokenizer.encode(text(spec.prompt), add_special_tokens=False)
-        assert ids(spec.prompt) == as_vllm == as_ingress
+        # As vLLM's completions and moe-cluster's ingress encode text: BOS first.
+        as_vllm = tokenizer(text(spec.prompt), add_special_tokens=True).input_ids
+        assert ids(spec.prompt) == as_vllm and as_vllm[0] == BOS.id
         assert len(ids(spec.prompt)) > len(spec.prompt)  # random ids re-tokenize longer

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -237,3 +238,26 @@ async def test_only_a_key_allowing_its_tenant_finds_a_request_to_abort() -> None
     assert fe.abort("r1", fe.authenticate("g")) is False  # not there, for globex
     assert fe.abort("r1", fe.authenticate("a")) is True
     assert [e async for e in events][-1].reason == "abort"  # type: ignore[union-attr]
+
+
+def test_text_is_encoded_as_vllms_completions_encode_it(tiny_model: Path) -> None:
+    """A text prompt reaches the engine as the ids bare vLLM's completions give
+    it (DeepSeek's BOS first); a chat prompt has the template's one BOS."""
+    from transformers import AutoTokenizer
+
+    from cluster.tiny_tokenizer import BOS
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    fe = Frontend(
+        tokenizer=tok,
+        facts=FACTS,
+        limits=Limits(64, 100, 1000),
+        api_keys=(),
+        open_stream=lambda _req: ScriptedStream([]),
+    )
+    text = "hello world"
+    # vLLM's completions: tokenizer(prompt, add_special_tokens=True).
+    assert fe.encode_text(text) == tok(text, add_special_tokens=True).input_ids
+    assert fe.encode_text(text)[0] == BOS.id
+    chat = fe.encode_chat([{"role": "user", "content": text}], "messages")
+    assert chat[0] == BOS.id and chat.count(BOS.id) == 1
