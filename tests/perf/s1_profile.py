@@ -88,6 +88,35 @@ def cpu_waits(procs: list[psutil.Process]) -> dict[int, tuple[str, float]]:
     return out
 
 
+def main_thread(pid: int) -> tuple[float, float, int, int] | None:
+    """(seconds on a core, seconds runnable waiting for one, voluntary and
+    involuntary context switches) of ``pid``'s main thread so far. A voluntary
+    switch is the thread going to sleep: waiting for input, for a lock (the
+    GIL among them), for I/O."""
+    task = Path(f"/proc/{pid}/task/{pid}")
+    try:
+        ran, waited, _ = task.joinpath("schedstat").read_text().split()
+        status = task.joinpath("status").read_text().splitlines()
+    except (OSError, ValueError):
+        return None
+    switches = dict(line.split(":\t") for line in status if "ctxt_switches" in line)
+    return (
+        int(ran) / 1e9,
+        int(waited) / 1e9,
+        int(switches["voluntary_ctxt_switches"]),
+        int(switches["nonvoluntary_ctxt_switches"]),
+    )
+
+
+def engine_main(procs: list[psutil.Process]) -> tuple[float, float, int, int] | None:
+    """``main_thread`` of vLLM's engine core, which steps the model on it (one
+    OpenMP thread, the uni executor)."""
+    for p in procs:
+        if "EngineCore" in title(p):
+            return main_thread(p.pid)
+    return None
+
+
 def by_title(
     before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]
 ) -> dict[str, float]:
@@ -121,13 +150,19 @@ def top_frames(raw: Path, n: int = 12) -> tuple[list[Any], list[Any], int]:
     return own.most_common(n), incl.most_common(n), samples
 
 
-def pyspy(pids: dict[int, str], seconds: int, out: Path) -> list[Any]:
-    """Starts py-spy on each process (collapsed stacks into ``out``)."""
+def pyspy(
+    pids: dict[int, str], seconds: int, out: Path, idle: bool = False
+) -> list[Any]:
+    """Starts py-spy on each process (collapsed stacks into ``out``); with
+    ``idle``, threads' samples while they wait too, each stack under its
+    thread."""
     spy = str(Path(sys.executable).parent / "py-spy")
 
     def argv(pid: int) -> list[str]:
         record = [spy, "record", "--pid", str(pid), "--duration", str(seconds)]
         options = ["--nonblocking", "--rate", "100", "--format", "raw"]
+        if idle:
+            options += ["--idle", "--threads"]
         return [*record, *options, "--output", str(out / f"{pid}.txt")]
 
     return [
@@ -170,6 +205,11 @@ def main() -> None:
     p.add_argument("--pyspy", type=int, default=0, help="seconds of py-spy")
     p.add_argument(
         "--pyspy-concurrency", type=int, default=1, help="streams while py-spy runs"
+    )
+    p.add_argument(
+        "--pyspy-idle",
+        action="store_true",
+        help="py-spy samples waiting threads too, each stack under its thread",
     )
     p.add_argument(
         "--idle",
@@ -226,11 +266,12 @@ def main() -> None:
                 if name.startswith(("ray::Serve", "ray::DeepSeek", "VLLM::"))
                 or "api_server" in name
             }
-            spies = pyspy(busy, args.pyspy, logs)
+            spies = pyspy(busy, args.pyspy, logs, args.pyspy_idle)
             duration = args.pyspy + 2.0
             asyncio.run(run(args.grpc, args.pyspy_concurrency, 1_000_000, duration))
             for spy in spies:
                 spy.wait()
+            print(f"py-spy's stacks: {logs}")
             for pid, name in busy.items():
                 f = logs / f"{pid}.txt"
                 if not f.exists():
@@ -245,9 +286,11 @@ def main() -> None:
                     print(f"    {100 * k / samples:5.1f}%  {frame}")
         for c in (1, 4):
             before, waits_before = cpu(procs), cpu_waits(procs)
+            main_before = engine_main(procs)
             t0 = time.monotonic()
             s = asyncio.run(run(args.grpc, c, args.requests))
             wall = time.monotonic() - t0
+            main_after = engine_main(procs)
             used = by_title(before, cpu(procs))
             waited = by_title(waits_before, cpu_waits(procs))
             out[f"c{c}"] = {
@@ -265,6 +308,21 @@ def main() -> None:
                 },
                 "wall_s": round(wall, 1),
             }
+            tokens = s["output_tok_s"] * wall
+            if main_before and main_after and tokens > 0:
+                ran, queued, vol, invol = (
+                    b - a for a, b in zip(main_before, main_after, strict=True)
+                )
+                # Of the interval, the engine's main thread was on a core, runnable
+                # but off one, or asleep (no work, or waiting on a lock).
+                out[f"c{c}"]["engine_main_thread"] = {
+                    "on_core_share": round(ran / wall, 4),
+                    "runnable_share": round(queued / wall, 4),
+                    "asleep_share": round(max(0.0, wall - ran - queued) / wall, 4),
+                    "on_core_ms_per_token": round(1000 * ran / tokens, 4),
+                    "voluntary_switches_per_token": round(vol / tokens, 3),
+                    "involuntary_switches_per_token": round(invol / tokens, 3),
+                }
             print(
                 f"c={c}: {s['output_tok_s']:.1f} tok/s, TTFT p50 "
                 f"{s['ttft_ms']['p50']:.1f} ms, TPOT p50 {s['tpot_ms']['p50']:.2f} ms,"
@@ -278,6 +336,16 @@ def main() -> None:
                 f"{1000 * engine / args.requests:.1f} ms/req",
                 flush=True,
             )
+            if mt := out[f"c{c}"].get("engine_main_thread"):
+                print(
+                    "    its share of the time: on a core "
+                    f"{mt['on_core_share']:.3f}, runnable "
+                    f"{mt['runnable_share']:.3f}, asleep {mt['asleep_share']:.3f};"
+                    f" {mt['on_core_ms_per_token']:.3f} ms on a core a token,"
+                    f" {mt['voluntary_switches_per_token']:.2f} sleeps and "
+                    f"{mt['involuntary_switches_per_token']:.2f} preemptions a token",
+                    flush=True,
+                )
     finally:
         server.stop()
     RESULTS.mkdir(exist_ok=True)
