@@ -25,12 +25,13 @@ Variants, ``BASE[-split][@TREE][+KIND]``:
 - ``moe``: vLLM's arguments and environment exactly as an engine replica of
   ``cluster/configs/tiny-cpu.yaml`` builds them (``deployments.engine.args``),
   the expert-load hooks installed and read every 0.5 s as the replica reads
-  them, and the page store's connector saving to a node store served from this
-  (controller) process on the other cores, as the store actor serves it.
-- ``moe-no-store``, ``moe-no-expert-load``, ``moe-fcfs``, ``moe-no-thp``:
-  ``moe`` less one of them (the page store; the expert-load hooks and their
-  reads; the priority scheduling the router's QoS classes map to; torch's
-  transparent huge pages).
+  them, the page store's connector saving to a node store served from this
+  (controller) process on the other cores, as the store actor serves it, and
+  (where the engine caches prefixes itself) its KV-cache events published.
+- ``moe-no-store``, ``moe-no-expert-load``, ``moe-fcfs``, ``moe-no-thp``,
+  ``moe-no-events``: ``moe`` less one of them (the page store; the expert-load
+  hooks and their reads; the priority scheduling the router's QoS classes map
+  to; torch's transparent huge pages; the KV-cache events).
 - ``-split``: the engine core's threads but its main one moved off its core,
   as the ``reserved`` and ``pinned`` layouts place them.
 - ``@TREE``: the engine core imports moe-cluster from the checkout at TREE
@@ -68,6 +69,7 @@ VARIANTS = (
     "moe-no-expert-load",
     "moe-fcfs",
     "moe-no-thp",
+    "moe-no-events",
 )
 EXPERT_LOAD_POLL_S = 0.5  # the replica's read of the counters while busy
 
@@ -108,10 +110,15 @@ def _spec(variant: str, socket: str) -> tuple[dict[str, str], Any, bool]:
     env |= engine_env(e)
     if variant == "moe-no-thp":
         env.pop("THP_MEM_ALLOC_ENABLE", None)
+    # The KV-cache events an engine replica subscribes to (where the engine
+    # caches prefixes itself): published here to no one, as vLLM's publisher
+    # drops what no subscriber takes; the engine core's work is the same.
+    events = f"ipc://{Path(socket).parent}/events-{variant}-{os.getpid()}"
     args = engine_args(
         config.model.path,
         config.model.served_name,
         e,
+        kv_events_endpoint=None if variant == "moe-no-events" else events,
         kv_store_socket=None if variant == "moe-no-store" else socket,
     )
     if variant == "moe-fcfs":
