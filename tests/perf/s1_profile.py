@@ -1,8 +1,9 @@
-"""Where S1's time goes: CPU per process, and py-spy's top frames.
+"""Where S1's time goes: CPU per process, the engine's thread, py-spy's frames.
 
     .venv/bin/python -m tests.perf.s1_profile [moe|vllm|vllm-uni|...] [--engine-json J]
         [--router-json J] [--kvstore-json J] [--pyspy SECONDS]
-        [--pyspy-concurrency N] [--grpc] [--vllm-no-stats] [--idle SECONDS]
+        [--pyspy-concurrency N] [--pyspy-idle] [--grpc] [--vllm-no-stats]
+        [--idle SECONDS]
 
 Starts one system as ``make bench-peers`` does (one replica, one core), runs S1
 (128 prompt tokens, 64 output tokens) closed loop at concurrency 1 and 4 (every
@@ -11,12 +12,18 @@ meanwhile samples every process the system started: CPU seconds per process
 (grouped by its title: the Serve proxy, the ingress and engine replicas, vLLM's
 EngineCore, the router, Ray's own daemons) per request served, and how long
 vLLM's engine core waited, runnable, for a core (what sharing the node's cores
-with the rest costs the engine's steps). With ``--pyspy``
+with the rest costs the engine's steps). Of the engine core's main thread, which
+steps the model, it also prints the share of the run it was on a core, runnable
+but off one, and asleep (waiting for work, or for a lock such as the GIL), its
+CPU per output token (tokens counted as the run's rate times its length, the
+warmup's included) and its sleeps and preemptions per token. With ``--pyspy``
 it also records each of the busiest processes with py-spy for that long, at
 ``--pyspy-concurrency`` streams (one by default), and prints the frames that
-hold most samples (self and inclusive). With ``--idle`` it first measures the
-started server serving nothing, for that long: CPU per second per process (what
-the system costs a node whether or not it serves).
+hold most samples (self and inclusive); ``--pyspy-idle`` samples waiting
+threads too, each stack under its thread, and prints where the raw stacks are.
+With ``--idle`` it first measures the started server serving nothing, for that
+long: CPU per second per process (what the system costs a node whether or not
+it serves).
 """
 
 from __future__ import annotations
