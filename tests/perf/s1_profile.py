@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import contextlib
 import json
 import subprocess
 import sys
@@ -82,19 +81,6 @@ def cpu(procs: list[psutil.Process]) -> dict[int, tuple[str, float]]:
     return out
 
 
-def cpu_waits(procs: list[psutil.Process]) -> dict[int, tuple[str, float]]:
-    """Seconds each process's main thread has waited, runnable, for a core (the
-    kernel's ``run_delay``, ``/proc/PID/task/PID/schedstat``): what sharing the
-    node's cores costs it. vLLM's engine core steps the model on its main thread
-    (one OpenMP thread, the uni executor)."""
-    out = {}
-    for p in procs:
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            stat = Path(f"/proc/{p.pid}/task/{p.pid}/schedstat").read_text()
-            out[p.pid] = (title(p), int(stat.split()[1]) / 1e9)
-    return out
-
-
 def main_thread(pid: int) -> tuple[float, float, int, int] | None:
     """(seconds on a core, seconds runnable waiting for one, voluntary and
     involuntary context switches) of ``pid``'s main thread so far. A voluntary
@@ -113,6 +99,18 @@ def main_thread(pid: int) -> tuple[float, float, int, int] | None:
         int(switches["voluntary_ctxt_switches"]),
         int(switches["nonvoluntary_ctxt_switches"]),
     )
+
+
+def cpu_waits(procs: list[psutil.Process]) -> dict[int, tuple[str, float]]:
+    """Seconds each process's main thread has waited, runnable, for a core (the
+    kernel's ``run_delay``, ``/proc/PID/task/PID/schedstat``): what sharing the
+    node's cores costs it. vLLM's engine core steps the model on its main thread
+    (one OpenMP thread, the uni executor)."""
+    out = {}
+    for p in procs:
+        if (thread := main_thread(p.pid)) is not None:
+            out[p.pid] = (title(p), thread[1])
+    return out
 
 
 def engine_main(procs: list[psutil.Process]) -> tuple[float, float, int, int] | None:
