@@ -10,7 +10,7 @@ service and the Ray actor around it only wait and deliver.
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -107,7 +107,10 @@ class RouterCore:
         # Submission to first token of recent requests, per class (seconds).
         self.served_ttft: dict[QoS, deque[float]] = {q: deque(maxlen=2000) for q in QoS}
         self.counters = Counters()
-        self._released: dict[str, float] = {}
+        # Requests released in the last RELEASED_MEMORY_S, oldest first: ``tick``
+        # forgets them from the front, so its work is what expired, not what
+        # is remembered (tens of thousands at thousands of admissions a second).
+        self._released: OrderedDict[str, float] = OrderedDict()
         # Replicas Serve has stopped (scale-down, redeploy, shutdown), told by
         # the ingresses' request routers, with when: they drain.
         self.retired: dict[ReplicaId, float] = {}
@@ -394,6 +397,7 @@ class RouterCore:
         now = self._clock()
         rid = release.request_id
         self._released[rid] = now
+        self._released.move_to_end(rid)  # released again: forgotten from now
         holder = self._holder_of(rid, release.replica_id)
         lease = holder.remove(rid) if holder is not None else None
         self._freed.add(now)
@@ -505,9 +509,9 @@ class RouterCore:
         if self.rate_limits and now - self._pruned_at > PRUNE_EVERY_S:
             self.rate_limits.prune()
             self._pruned_at = now
-        for req, at in list(self._released.items()):
-            if now - at > RELEASED_MEMORY_S:
-                del self._released[req]
+        released = self._released
+        while released and now - next(iter(released.values())) > RELEASED_MEMORY_S:
+            released.popitem(last=False)
         for rid, at in list(self.retired.items()):
             if now - at > RETIRED_MEMORY_S and rid not in self.replicas:
                 del self.retired[rid]

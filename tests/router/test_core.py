@@ -195,6 +195,32 @@ def test_restarted_router_rebuilds_leases_from_reports() -> None:
     assert core.snapshot().replicas["a"].running == 0
 
 
+def test_a_release_is_remembered_for_ten_seconds_after_the_last_one() -> None:
+    """A report listing a request released in the last 10 s was on its way:
+    it makes no lease. Ticks forget older releases, each from its last."""
+    clock = Clock()
+    core = _core(clock, replica_stale_s=60)
+
+    def listing(*ids: str) -> ReplicaReport:
+        return ReplicaReport(
+            ReplicaId("a"), tuple(RequestProgress(i, 10, 3, 10) for i in ids)
+        )
+
+    _ok(core, "old")
+    clock.advance(4)
+    _ok(core, "new")
+    clock.advance(4)
+    _ok(core, "old")  # released again (a retried release): remembered from now
+    clock.advance(7)  # "new" was released 11 s ago, "old" 7 s ago
+    core.tick()
+    core.report(listing("old", "new"))
+    assert core.snapshot().replicas["a"].running == 1  # "new" only
+    clock.advance(4)
+    core.tick()
+    core.report(listing("old", "new"))
+    assert core.snapshot().replicas["a"].running == 2
+
+
 def test_dispatched_lease_survives_reports_until_grace() -> None:
     clock = Clock()
     core = _core(clock)
