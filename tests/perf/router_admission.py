@@ -1,7 +1,7 @@
 """Admissions per second one DeepSeekRouter actor sustains.
 
     .venv/bin/python -m tests.perf.router_admission [--procs 1,4,16]
-        [--replicas 16] [--slots 64] [--concurrency 16] [--seconds 10]
+        [--replicas 16] [--slots 64] [--concurrency 16] [--seconds 20]
         [--ray-calls]
 
 The router runs as in a deployment (its named, detached actor). Synthetic engine
@@ -11,7 +11,9 @@ requests through the ingress's own ``RouterClient``: admit (a 256-token prompt's
 block hashes and an expert histogram, as the ingress sends), then release at
 once; the batches go on the router's admission socket (``router.wire``), or as
 Ray actor calls with ``--ray-calls``. Prints, per number of ingress processes:
-admissions/s, and the admit round trip at the ingress, p50 and p99.
+admissions/s, and the admit round trip at the ingress, p50 and p99, and the
+p99 of the run's first and last thirds (a router whose cost grows with what it
+has served shows there).
 
 Then the model of the bound, for ``--model-replicas`` x ``--slots`` (default 100 x
 64) and for the measured cluster: one router is one event loop, so it sustains
@@ -109,11 +111,14 @@ class IngressLoad:
         )
         self._index = index
 
-    async def run(self, concurrency: int, start: float, seconds: float) -> list[float]:
-        """Admit round trips (s) completed inside [start, start + seconds)."""
+    async def run(
+        self, concurrency: int, start: float, seconds: float
+    ) -> list[tuple[float, float]]:
+        """(when it completed, its round trip) of each admit completed inside
+        [start, start + seconds), in seconds."""
         await asyncio.sleep(max(0.0, start - time.time()))
         end = start + seconds
-        latencies: list[float] = []
+        latencies: list[tuple[float, float]] = []
         n = 0
 
         async def loop(worker: int) -> None:
@@ -133,7 +138,7 @@ class IngressLoad:
                 )
                 t0 = time.perf_counter()
                 decision = await self._client.admit(ticket)
-                latencies.append(time.perf_counter() - t0)
+                latencies.append((time.time(), time.perf_counter() - t0))
                 self._client.release(Release(rid, Outcome.OK, decision.replica_id))
 
         await asyncio.gather(*(loop(w) for w in range(concurrency)))
@@ -238,13 +243,20 @@ def measure(
     runs = ray.get([load.run.remote(concurrency, start, seconds) for load in loads])
     for load in loads:
         ray.kill(load)
-    latencies = [x for run in runs for x in run]
+    done = [x for run in runs for x in run]
+    latencies = [x for _, x in done]
+    # A router whose cost grows with what it has served shows as a tail that
+    # grows over the run: the first and last thirds' p99 apart.
+    first = [x for at, x in done if at < start + seconds / 3]
+    last = [x for at, x in done if at >= start + 2 * seconds / 3]
     return {
         "ingress_processes": procs,
         "concurrency_per_process": concurrency,
         "admissions_per_s": len(latencies) / seconds,
         "p50_ms": 1e3 * percentile(latencies, 0.5),
         "p99_ms": 1e3 * percentile(latencies, 0.99),
+        "p99_first_third_ms": 1e3 * percentile(first, 0.99),
+        "p99_last_third_ms": 1e3 * percentile(last, 0.99),
     }
 
 
@@ -254,7 +266,9 @@ def main() -> None:
     p.add_argument("--replicas", type=int, default=16)
     p.add_argument("--slots", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--seconds", type=float, default=10.0)
+    # Longer than the router remembers released requests (10 s), so that the
+    # last third runs with that memory full.
+    p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--model-replicas", type=int, default=100)
     p.add_argument(
         "--ray-calls",
@@ -281,7 +295,9 @@ def main() -> None:
             print(
                 f"{procs:3d} ingress x {args.concurrency} in flight: "
                 f"{row['admissions_per_s']:7.0f} admissions/s, admit round trip "
-                f"p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms",
+                f"p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms "
+                f"(first third {row['p99_first_third_ms']:.2f}, last "
+                f"{row['p99_last_third_ms']:.2f})",
                 flush=True,
             )
         call_s = call_cost_s(args.ray_calls)
