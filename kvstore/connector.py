@@ -99,7 +99,14 @@ class PageStoreConnector(KVConnectorBase_V1):
         self.scheduler: StoreScheduler | None = None
         self.worker: StoreWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = StoreScheduler(self._client, block_size, self._warn)
+            self.scheduler = StoreScheduler(
+                self._client,
+                block_size,
+                self._warn,
+                engine_caches=bool(vllm_config.cache_config.enable_prefix_caching),
+                max_running=vllm_config.scheduler_config.max_num_seqs,
+                engine_blocks=kv_cache_config.num_blocks if kv_cache_config else 0,
+            )
         else:
             self.worker = StoreWorker(
                 self._client,

@@ -10,21 +10,32 @@ a step or two (``None``) instead of recomputing. ``plan_step`` lists, per step,
 the pages to load into the blocks just allocated and the blocks that this step
 completes, to save.
 
+The scheduler asks for one request at a time, and each lookup is a round trip to
+the store's process. So a request that arrives with no block of the engine's own
+to skip is looked up as it arrives (``on_new_request``), and the answer is read
+when the scheduler asks: requests that arrive together are one round trip, not
+one each. Where the engine caches prefixes itself, a request whose first block
+came with a recent request is asked for when scheduled, as the engine may hold
+some of it then; so is any request while the engine already has a full batch
+(its pins would wait with it).
+
 No torch and no vLLM imports: vLLM's ``Request`` and block objects are used by
 their attributes only, so the unit tests drive this class with plain stand-ins.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import msgspec
 
 from cluster import tracing
-from kvstore.rpc import Fetch, PageRef, StoreClient, StoreError
+from kvstore.rpc import Fetch, Found, PageRef, Pending, StoreClient, StoreError
 
 logger = logging.getLogger("moe_cluster.kvstore")
 
@@ -66,15 +77,33 @@ class StoreRequest(Protocol):
     prompt_token_ids: Sequence[int] | None
 
 
+# First blocks of recent requests an engine that caches prefixes may hold: at
+# least as many as the engine has KV blocks, so that a first block it holds is
+# one of them (it evicts the least recently used first).
+RECENT_FIRST_BLOCKS = 4096
+
+
 class StoreScheduler:
     def __init__(
         self,
         client: StoreClient,
         block_size: int,
         warn: Callable[[Exception], None],
+        engine_caches: bool = False,
+        max_running: int = 0,
+        engine_blocks: int = 0,
     ) -> None:
+        """``engine_caches``: the engine has its own prefix cache, of
+        ``engine_blocks`` KV blocks; ``max_running``: the most requests it runs
+        at once (0: never look up on arrival)."""
         self._client, self._block_size, self._warn = client, block_size, warn
+        self._engine_caches, self._max_running = engine_caches, max_running
+        self._recent_limit = max(RECENT_FIRST_BLOCKS, engine_blocks)
         self._requests: dict[str, StoreRequest] = {}
+        # Lookups sent as their requests arrived (no block of the engine's own
+        # to skip), their answers not read yet.
+        self._early: dict[str, Pending] = {}
+        self._recent_first: OrderedDict[bytes, None] = OrderedDict()
         # Pinned for a request not yet allocated: (blocks skipped, refs, arena).
         self._found: dict[str, tuple[int, list[PageRef], str]] = {}
         self._to_load: dict[str, Loads] = {}
@@ -83,14 +112,33 @@ class StoreScheduler:
         self._last_fetch: dict[str, Fetch] = {}  # the fetch a lookup just reported
 
     def on_new_request(self, request: StoreRequest) -> None:
-        self._requests[request.request_id] = request
+        rid = request.request_id
+        self._requests[rid] = request
+        hashes = self._asked(request)
+        if not hashes or request.num_computed_tokens:
+            return
+        if self._engine_caches:
+            first, recent = hashes[0], self._recent_first
+            seen = first in recent
+            recent[first] = None
+            recent.move_to_end(first)
+            if len(recent) > self._recent_limit:
+                recent.popitem(last=False)
+            if seen:
+                return  # the engine may hold some of it when it is scheduled
+        if len(self._requests) > self._max_running:
+            return  # it may wait for room: asked when scheduled
+        # If it fails, it is asked again when scheduled, which warns then.
+        with contextlib.suppress(StoreError):
+            self._early[rid] = self._client.send_lookup(
+                rid, hashes, *self._lookup_args(request, len(hashes)), 0
+            )
 
     def get_num_new_matched_tokens(
         self, request: StoreRequest, num_computed_tokens: int
     ) -> int | None:
         rid, b = request.request_id, self._block_size
-        full = (request.num_prompt_tokens - 1) // b  # one prompt token is computed
-        hashes = request.block_hashes[:full]
+        hashes = self._asked(request)
         skip = num_computed_tokens // b
         found = self._found.get(rid)
         if found is not None and found[0] == skip:
@@ -146,23 +194,48 @@ class StoreScheduler:
                 span.set_attributes(fetched)
             return n
 
+    def _asked(self, request: StoreRequest) -> Sequence[bytes]:
+        """The hashes of the prompt's blocks the store may offer: every full
+        block but one token, which the engine computes."""
+        full = (request.num_prompt_tokens - 1) // self._block_size
+        return request.block_hashes[:full]
+
+    def _lookup_args(
+        self, request: StoreRequest, full: int
+    ) -> tuple[str, Sequence[int], int]:
+        """A lookup's salt, tokens and block size, for ``full`` blocks."""
+        b = self._block_size
+        return request.cache_salt or "", (request.prompt_token_ids or [])[: full * b], b
+
+    def _early_answer(self, rid: str, skip: int) -> Found | None:
+        """The answer to the lookup sent as ``rid`` arrived, if one was and it
+        holds for ``skip`` (else a new lookup replaces what it pinned)."""
+        pending = self._early.pop(rid, None)
+        if pending is None:
+            return None
+        try:
+            answer = self._client.found(pending)
+        except StoreError:
+            return None  # asked again at once, which warns if it fails again
+        if skip == 0:
+            return answer
+        if answer.refs:  # pinned past blocks the engine now holds itself
+            self._release(rid)
+        return None
+
     def _lookup(
         self, request: StoreRequest, hashes: Sequence[bytes], skip: int
     ) -> int | None:
         rid, b = request.request_id, self._block_size
-        full = len(hashes)
-        try:
-            answer = self._client.lookup(
-                rid,
-                hashes,
-                request.cache_salt or "",
-                (request.prompt_token_ids or [])[: full * b],
-                b,
-                skip,
-            )
-        except StoreError as e:
-            self._warn(e)
-            return 0
+        answer = self._early_answer(rid, skip)
+        if answer is None:
+            try:
+                answer = self._client.lookup(
+                    rid, hashes, *self._lookup_args(request, len(hashes)), skip
+                )
+            except StoreError as e:
+                self._warn(e)
+                return 0
         if answer.pending:
             return None  # another node's pages are on their way
         if not answer.refs:
@@ -225,6 +298,14 @@ class StoreScheduler:
 
     def request_finished(self, request: StoreRequest) -> None:
         rid = request.request_id
+        if (pending := self._early.pop(rid, None)) is not None:
+            # Finished (aborted) before the scheduler asked: what the lookup
+            # sent at its arrival pinned is given back.
+            try:
+                if self._client.found(pending).refs:
+                    self._release(rid)
+            except StoreError as e:
+                self._warn(e)
         self._drop_found(rid)
         if self._to_load.pop(rid, None) is not None:
             self._release(rid)

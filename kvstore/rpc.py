@@ -365,6 +365,23 @@ class StoreClient:
         )
         return msgspec.convert(answer, Found)
 
+    def send_lookup(
+        self,
+        lease: str,
+        hashes: Sequence[bytes],
+        salt: str,
+        tokens: Sequence[int],
+        block_size: int,
+        skip: int,
+    ) -> Pending:
+        """``lookup``, its answer read later with ``found``."""
+        return self.send(
+            "lookup", lease, list(hashes), salt, list(tokens), block_size, skip
+        )
+
+    def found(self, pending: Pending) -> Found:
+        return msgspec.convert(self.answer(pending), Found)
+
     def release(self, *leases: str) -> None:
         self.call("release", *leases)
 

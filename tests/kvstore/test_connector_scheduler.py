@@ -42,6 +42,19 @@ class ScriptedStore:
     def release(self, *leases: str) -> None:
         self.calls.append(("release", *leases))
 
+    def send_lookup(
+        self, lease: str, hashes: Any, salt: str, tokens: Any, b: int, skip: int
+    ) -> Found:
+        """Answers at once (the store as it is when the request arrives); the
+        answer stands for the pending call, which ``found`` reads."""
+        found = self.lookup(lease, hashes, salt, tokens, b, skip)
+        self.calls[-1] = ("send_lookup", *self.calls[-1][1:])
+        return found
+
+    def found(self, pending: Found) -> Found:
+        self.calls.append(("found",))
+        return pending
+
 
 @dataclass
 class Req:
@@ -53,9 +66,17 @@ class Req:
     prompt_token_ids: list[int] | None = None
 
 
-def scheduler(store: ScriptedStore) -> tuple[StoreScheduler, list[Exception]]:
+def scheduler(
+    store: ScriptedStore, **kw: Any
+) -> tuple[StoreScheduler, list[Exception]]:
+    """``kw``: the engine's (``engine_caches``, ``max_running``; by default no
+    lookup on arrival)."""
     warnings: list[Exception] = []
-    return StoreScheduler(store, B, warnings.append), warnings  # type: ignore[arg-type]
+    return StoreScheduler(store, B, warnings.append, **kw), warnings  # type: ignore[arg-type]
+
+
+def kinds(store: ScriptedStore) -> list[str]:
+    return [c[0] for c in store.calls]
 
 
 def released(store: ScriptedStore) -> list[str]:
@@ -163,6 +184,111 @@ def test_a_prompt_without_a_full_block_to_spare_asks_nothing(prompt: int) -> Non
     s, _ = scheduler(store)
     assert s.get_num_new_matched_tokens(Req("r1", prompt, H[: prompt // B]), 0) == 0
     assert store.calls == []
+
+
+def test_requests_that_arrive_together_are_looked_up_as_they_arrive() -> None:
+    store = ScriptedStore(stored=H[:4])
+    s, _ = scheduler(store, max_running=8)
+    r1 = Req("r1", 4 * B, H[:4], prompt_token_ids=list(range(16)), cache_salt="t")
+    r2 = Req("r2", 3 * B, H[4:7])
+    s.on_new_request(r1)
+    s.on_new_request(r2)
+    assert store.calls == [
+        ("send_lookup", "r1", tuple(H[:3]), "t", 0),
+        ("send_lookup", "r2", tuple(H[4:6]), "", 0),
+    ]
+    # The scheduler's asks read those answers: no lookup of their own.
+    assert s.get_num_new_matched_tokens(r1, 0) == 3 * B
+    assert s.get_num_new_matched_tokens(r2, 0) == 0
+    assert s.get_num_new_matched_tokens(r1, 0) == 3 * B  # asked again: pinned
+    assert kinds(store) == ["send_lookup", "send_lookup", "found", "found"]
+    s.update_state_after_alloc(r1, [10, 11, 12, 13], 3 * B)
+    loads, _ = s.plan_step({"r1": B}, lambda rid: [10, 11, 12, 13])
+    assert [p.block_id for p in loads["r1"].pages] == [10, 11, 12]
+
+
+def test_a_block_the_engine_holds_when_scheduled_is_asked_for_past_it() -> None:
+    store = ScriptedStore(stored=H[:4])
+    s, _ = scheduler(store, max_running=8)
+    req = Req("r1", 5 * B, H[:5])
+    s.on_new_request(req)  # pins blocks 0..3
+    # By the time it is scheduled the engine holds block 0 (another request
+    # computed it): what the arrival pinned is given back, and the store asked
+    # past the engine's block.
+    assert s.get_num_new_matched_tokens(req, B) == 3 * B
+    assert kinds(store) == ["send_lookup", "found", "release", "lookup"]
+    assert store.calls[-1][-1] == 1
+
+
+def test_a_request_finished_before_it_was_scheduled_gives_back_its_pins() -> None:
+    store = ScriptedStore(stored=H[:4])
+    s, _ = scheduler(store, max_running=8)
+    hit, miss = Req("r1", 5 * B, H[:5]), Req("r2", 5 * B, H[4:9])
+    s.on_new_request(hit)
+    s.on_new_request(miss)
+    s.request_finished(hit)
+    s.request_finished(miss)  # its lookup found (pinned) nothing
+    assert released(store) == ["r1"] and s.pinned() == set()
+    assert kinds(store).count("found") == 2  # every answer read
+
+
+def test_an_engine_that_caches_asks_when_scheduled_for_a_first_block_seen_lately() -> (
+    None
+):
+    store = ScriptedStore(stored=H[:4])
+    s, _ = scheduler(store, engine_caches=True, max_running=8)
+    s.on_new_request(Req("r1", 5 * B, H[:5]))
+    s.on_new_request(Req("r2", 5 * B, H[:5]))  # the engine may hold its blocks
+    assert [c[1] for c in store.calls if c[0] == "send_lookup"] == ["r1"]
+    s.on_new_request(Req("r3", 5 * B, H[1:6]))  # another first block
+    assert [c[1] for c in store.calls if c[0] == "send_lookup"] == ["r1", "r3"]
+
+
+@pytest.mark.parametrize(("engine_blocks", "asked_early"), [(0, True), (5000, False)])
+def test_first_blocks_are_remembered_for_as_many_requests_as_the_engine_has_blocks(
+    engine_blocks: int, asked_early: bool
+) -> None:
+    store = ScriptedStore()
+    s, _ = scheduler(
+        store, engine_caches=True, max_running=10**6, engine_blocks=engine_blocks
+    )
+    for i in range(4500):  # more than the 4,096 remembered at least
+        s.on_new_request(Req(f"r{i}", 2 * B, [i.to_bytes(32, "big")]))
+    store.calls.clear()
+    s.on_new_request(Req("again", 2 * B, [(0).to_bytes(32, "big")]))
+    assert (store.calls != []) is asked_early
+
+
+def test_a_request_that_may_wait_for_room_is_asked_for_when_scheduled() -> None:
+    store = ScriptedStore(stored=H[:4])
+    s, _ = scheduler(store, max_running=1)
+    s.on_new_request(Req("r1", 5 * B, H[:5]))
+    r2 = Req("r2", 5 * B, H[1:6])
+    s.on_new_request(r2)  # the engine's batch is full: its pins would wait
+    assert [c[1] for c in store.calls if c[0] == "send_lookup"] == ["r1"]
+    assert s.get_num_new_matched_tokens(r2, 0) == 3 * B
+    assert store.calls[-1][:2] == ("lookup", "r2")
+
+
+def test_pages_on_their_way_when_it_arrived_are_asked_for_again() -> None:
+    store = ScriptedStore(stored=H[:4], pending=True)
+    s, _ = scheduler(store, max_running=8)
+    req = Req("r1", 5 * B, H[:5])
+    s.on_new_request(req)
+    assert s.get_num_new_matched_tokens(req, 0) is None
+    store.pending = False  # fetched
+    assert s.get_num_new_matched_tokens(req, 0) == 4 * B
+    assert kinds(store) == ["send_lookup", "found", "lookup"]
+
+
+def test_a_store_gone_when_a_request_arrives_warns_once_it_is_scheduled() -> None:
+    store = ScriptedStore(stored=H[:4], down=True)
+    s, warnings = scheduler(store, max_running=8)
+    req = Req("r1", 5 * B, H[:5])
+    s.on_new_request(req)
+    assert warnings == []
+    assert s.get_num_new_matched_tokens(req, 0) == 0
+    assert len(warnings) == 1
 
 
 def test_a_traced_request_has_lookup_and_fetch_in_its_trace() -> None:
