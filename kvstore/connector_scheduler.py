@@ -35,7 +35,15 @@ from typing import Any, Protocol
 import msgspec
 
 from cluster import tracing
-from kvstore.rpc import Fetch, Found, PageRef, Pending, StoreClient, StoreError
+from kvstore.rpc import (
+    Fetch,
+    Found,
+    PageRef,
+    Pending,
+    Query,
+    StoreClient,
+    StoreError,
+)
 
 logger = logging.getLogger("moe_cluster.kvstore")
 
@@ -130,9 +138,7 @@ class StoreScheduler:
             return  # it may wait for room: asked when scheduled
         # If it fails, it is asked again when scheduled, which warns then.
         with contextlib.suppress(StoreError):
-            self._early[rid] = self._client.send_lookup(
-                rid, hashes, *self._lookup_args(request, len(hashes)), 0
-            )
+            self._early[rid] = self._client.send_lookup(self._query(request, hashes, 0))
 
     def get_num_new_matched_tokens(
         self, request: StoreRequest, num_computed_tokens: int
@@ -200,12 +206,13 @@ class StoreScheduler:
         full = (request.num_prompt_tokens - 1) // self._block_size
         return request.block_hashes[:full]
 
-    def _lookup_args(
-        self, request: StoreRequest, full: int
-    ) -> tuple[str, Sequence[int], int]:
-        """A lookup's salt, tokens and block size, for ``full`` blocks."""
-        b = self._block_size
-        return request.cache_salt or "", (request.prompt_token_ids or [])[: full * b], b
+    def _query(
+        self, request: StoreRequest, hashes: Sequence[bytes], skip: int
+    ) -> Query:
+        """The lookup of ``hashes`` (the request's first blocks) past ``skip``."""
+        b, salt = self._block_size, request.cache_salt or ""
+        tokens = (request.prompt_token_ids or [])[: len(hashes) * b]
+        return Query(request.request_id, hashes, salt, tokens, b, skip)
 
     def _early_answer(self, rid: str, skip: int) -> Found | None:
         """The answer to the lookup sent as ``rid`` arrived, if one was and it
@@ -219,7 +226,7 @@ class StoreScheduler:
             return None  # asked again at once, which warns if it fails again
         if skip == 0:
             return answer
-        if answer.refs:  # pinned past blocks the engine now holds itself
+        if answer.refs:  # its pins start at blocks the engine now holds itself
             self._release(rid)
         return None
 
@@ -230,9 +237,7 @@ class StoreScheduler:
         answer = self._early_answer(rid, skip)
         if answer is None:
             try:
-                answer = self._client.lookup(
-                    rid, hashes, *self._lookup_args(request, len(hashes)), skip
-                )
+                answer = self._client.lookup(self._query(request, hashes, skip))
             except StoreError as e:
                 self._warn(e)
                 return 0

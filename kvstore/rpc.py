@@ -27,7 +27,7 @@ import struct
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -80,6 +80,23 @@ class Found(msgspec.Struct, array_like=True, frozen=True):
     pending: bool
     arena: str
     fetch: Fetch | None = None
+
+
+class Query(NamedTuple):
+    """A lookup: pin, under ``lease``, the longest stored run of ``hashes`` past
+    the first ``skip`` (those the engine holds itself). The prefix's ``tokens``
+    (``block_size`` a page) and tenant ``salt`` count it among the hot ones."""
+
+    lease: str
+    hashes: Sequence[bytes]
+    salt: str
+    tokens: Sequence[int]
+    block_size: int
+    skip: int
+
+    def wire(self) -> list[Any]:
+        h, t = list(self.hashes), list(self.tokens)
+        return [self.lease, h, self.salt, t, self.block_size, self.skip]
 
 
 class Reserved(msgspec.Struct, array_like=True, frozen=True):
@@ -349,37 +366,16 @@ class StoreClient:
         name, num_pages, arena_bytes = self.call("open", page_bytes, layout)
         return ArenaInfo(str(name), int(num_pages), int(arena_bytes))
 
-    def lookup(
-        self,
-        lease: str,
-        hashes: Sequence[bytes],
-        salt: str,
-        tokens: Sequence[int],
-        block_size: int,
-        skip: int,
-    ) -> Found:
-        """Pins, under ``lease``, the longest stored run of ``hashes`` past the
-        first ``skip`` (those the engine holds itself)."""
-        answer = self.call(
-            "lookup", lease, list(hashes), salt, list(tokens), block_size, skip
-        )
-        return msgspec.convert(answer, Found)
+    def lookup(self, query: Query) -> Found:
+        """Pins the run ``query`` asks for; ``Found`` says which pages."""
+        return msgspec.convert(self.call("lookup", *query.wire()), Found)
 
-    def send_lookup(
-        self,
-        lease: str,
-        hashes: Sequence[bytes],
-        salt: str,
-        tokens: Sequence[int],
-        block_size: int,
-        skip: int,
-    ) -> Pending:
+    def send_lookup(self, query: Query) -> Pending:
         """``lookup``, its answer read later with ``found``."""
-        return self.send(
-            "lookup", lease, list(hashes), salt, list(tokens), block_size, skip
-        )
+        return self.send("lookup", *query.wire())
 
     def found(self, pending: Pending) -> Found:
+        """The answer to a ``send_lookup``."""
         return msgspec.convert(self.answer(pending), Found)
 
     def release(self, *leases: str) -> None:

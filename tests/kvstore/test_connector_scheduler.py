@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kvstore.connector_scheduler import Loads, PageLoad, PageSave, StoreScheduler
-from kvstore.rpc import Found, PageRef, StoreError
+from kvstore.rpc import Found, PageRef, Query, StoreError
 
 B = 4  # tokens per block
 H = [bytes([i]) * 32 for i in range(8)]
@@ -24,10 +24,9 @@ class ScriptedStore:
     down: bool = False
     calls: list[tuple[Any, ...]] = field(default_factory=list)
 
-    def lookup(
-        self, lease: str, hashes: Any, salt: str, tokens: Any, b: int, skip: int
-    ) -> Found:
-        self.calls.append(("lookup", lease, tuple(hashes), salt, skip))
+    def lookup(self, q: Query) -> Found:
+        hashes, skip = q.hashes, q.skip
+        self.calls.append(("lookup", q.lease, tuple(hashes), q.salt, skip))
         if self.down:
             raise StoreError("store is gone")
         if self.pending:
@@ -42,12 +41,10 @@ class ScriptedStore:
     def release(self, *leases: str) -> None:
         self.calls.append(("release", *leases))
 
-    def send_lookup(
-        self, lease: str, hashes: Any, salt: str, tokens: Any, b: int, skip: int
-    ) -> Found:
+    def send_lookup(self, q: Query) -> Found:
         """Answers at once (the store as it is when the request arrives); the
         answer stands for the pending call, which ``found`` reads."""
-        found = self.lookup(lease, hashes, salt, tokens, b, skip)
+        found = self.lookup(q)
         self.calls[-1] = ("send_lookup", *self.calls[-1][1:])
         return found
 

@@ -25,7 +25,7 @@ from kvstore.arena import checksum
 from kvstore.connector_scheduler import Loads, PageLoad, PageSave
 from kvstore.connector_worker import StoreWorker
 from kvstore.page_layer import DeviceCopier, PageLayer
-from kvstore.rpc import Found, StoreClient
+from kvstore.rpc import Found, Query, StoreClient
 from tests.kvstore.test_rpc import Running, published
 
 pytestmark = [
@@ -113,7 +113,7 @@ class Engine:
         scheduler side pins them, the worker loads them before the forward."""
         loads = {}
         for rid, (hashes, blocks) in requests.items():
-            found = self.client.lookup(rid, hashes, "", [], BLOCK, 0)
+            found = self.client.lookup(Query(rid, hashes, "", [], BLOCK, 0))
             pages = [
                 PageLoad(ref.slot, ref.checksum, ref.page_hash, block)
                 for ref, block in zip(found.refs, blocks, strict=False)

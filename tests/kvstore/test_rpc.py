@@ -17,7 +17,7 @@ import pytest
 from kvstore.arena import Arena
 from kvstore.block_hash import BlockHash
 from kvstore.node_store import NodeStore
-from kvstore.rpc import Found, StoreClient, StoreError, StoreServer, Written
+from kvstore.rpc import Found, Query, StoreClient, StoreError, StoreServer, Written
 
 H = [BlockHash(bytes([i]) * 32) for i in range(8)]
 PAGE = 128
@@ -58,7 +58,7 @@ def published(
     an engine's connector publishes from a background thread."""
     deadline = time.monotonic() + timeout_s
     while True:
-        found = client.lookup("probe", hashes, "", [], block_size, 0)
+        found = client.lookup(Query("probe", hashes, "", [], block_size, 0))
         client.release("probe")
         if len(found.refs) == len(hashes) or time.monotonic() > deadline:
             return found

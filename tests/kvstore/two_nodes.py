@@ -32,7 +32,7 @@ from cluster.config import KVStoreConfig
 from kvstore import actor as kv_actor
 from kvstore.arena import Arena
 from kvstore.block_hash import block_hashes
-from kvstore.rpc import Fetch, StoreClient, Written
+from kvstore.rpc import Fetch, Query, StoreClient, Written
 
 # The engines run what the test session's do (auto, or MOE_CLUSTER_TEST_BACKEND).
 from tests.integration.conftest import PLATFORM
@@ -156,7 +156,7 @@ def main() -> None:
     def found() -> list[Any]:
         # As vLLM's scheduler does: ask again while the answer is "pending".
         nonlocal pending_answers, fetch
-        answer = c2.lookup("req", hashes, "", [], 16, 0)
+        answer = c2.lookup(Query("req", hashes, "", [], 16, 0))
         pending_answers += answer.pending
         fetch = answer.fetch
         return answer.refs
