@@ -216,7 +216,7 @@ class StoreScheduler:
 
     def _early_answer(self, rid: str, skip: int) -> Found | None:
         """The answer to the lookup sent as ``rid`` arrived, if one was and it
-        holds for ``skip`` (else a new lookup replaces what it pinned)."""
+        holds for ``skip``; else None, what it pinned given back."""
         pending = self._early.pop(rid, None)
         if pending is None:
             return None

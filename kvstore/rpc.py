@@ -1,7 +1,9 @@
 """The node store's local socket: how engines on the node reach its index.
 
 Page bytes never travel here (they are in the shared-memory arena); only hashes,
-slots and checksums do, as msgpack frames over a Unix socket, about 50 µs a call.
+slots and checksums do, as msgpack frames over a Unix socket: a lookup's round
+trip is about 0.1 ms between two idle cores, 0.2 ms where they sleep between
+calls, more where the store shares a busy core.
 
     frame:    | length: u32 big-endian | msgpack [method, args] |
     answer:   | length | msgpack [true, result] |  or  [false, "message"]
