@@ -214,16 +214,17 @@ class StoreScheduler:
         tokens = (request.prompt_token_ids or [])[: len(hashes) * b]
         return Query(request.request_id, hashes, salt, tokens, b, skip)
 
-    def _early_answer(self, rid: str, skip: int) -> Found | None:
+    def _early_answer(self, rid: str, skip: int | None) -> Found | None:
         """The answer to the lookup sent as ``rid`` arrived, if one was and it
-        holds for ``skip``; else None, what it pinned given back."""
+        holds for ``skip`` (None: the request finished before it was
+        scheduled); else None, what it pinned given back."""
         pending = self._early.pop(rid, None)
         if pending is None:
             return None
         try:
             answer = self._client.found(pending)
         except StoreError:
-            return None  # asked again at once, which warns if it fails again
+            return None  # a lookup asks again, and warns if it fails again
         if skip == 0:
             return answer
         if answer.refs:  # its pins start at blocks the engine now holds itself
@@ -303,14 +304,7 @@ class StoreScheduler:
 
     def request_finished(self, request: StoreRequest) -> None:
         rid = request.request_id
-        if (pending := self._early.pop(rid, None)) is not None:
-            # Finished (aborted) before the scheduler asked: what the lookup
-            # sent at its arrival pinned is given back.
-            try:
-                if self._client.found(pending).refs:
-                    self._release(rid)
-            except StoreError as e:
-                self._warn(e)
+        self._early_answer(rid, None)  # finished before it was scheduled
         self._drop_found(rid)
         if self._to_load.pop(rid, None) is not None:
             self._release(rid)

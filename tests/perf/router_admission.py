@@ -118,7 +118,7 @@ class IngressLoad:
         [start, start + seconds), in seconds."""
         await asyncio.sleep(max(0.0, start - time.time()))
         end = start + seconds
-        latencies: list[tuple[float, float]] = []
+        done: list[tuple[float, float]] = []
         n = 0
 
         async def loop(worker: int) -> None:
@@ -138,11 +138,11 @@ class IngressLoad:
                 )
                 t0 = time.perf_counter()
                 decision = await self._client.admit(ticket)
-                latencies.append((time.time(), time.perf_counter() - t0))
+                done.append((time.time(), time.perf_counter() - t0))
                 self._client.release(Release(rid, Outcome.OK, decision.replica_id))
 
         await asyncio.gather(*(loop(w) for w in range(concurrency)))
-        return latencies
+        return done
 
 
 @ray.remote(num_cpus=0)
