@@ -696,10 +696,13 @@ def machine() -> str:
 
 def per_cpu(stem: str) -> str:
     """``{stem}-amx_mla`` or ``{stem}-cpu_mla``, by the backend the engines get on
-    this CPU: a result file per kind of CPU."""
-    from cluster.config import ClusterConfig
+    this CPU: a result file per kind of CPU. ``{stem}-cpu_mla-on-amx`` where
+    ``MOE_CLUSTER_BENCH_BACKEND`` has an AMX machine run the reference backend."""
+    from cluster.platform import has_amx
+    from tests.perf.peers import platform_kwargs
 
-    return f"{stem}-{ClusterConfig().engine_platform().backend.value.lower()}"
+    backend = str(platform_kwargs()["attention_backend"]).lower()
+    return f"{stem}-{backend}{'-on-amx' if backend == 'cpu_mla' and has_amx() else ''}"
 
 
 def cell(

@@ -85,7 +85,11 @@ def _spec(variant: str, socket: str) -> tuple[dict[str, str], Any, bool]:
     from cluster.config import load_config
     from deployments.engine.args import engine_args, engine_env
 
-    config = load_config(CONFIG).resolved()
+    config = load_config(CONFIG)
+    backend = {"attention_backend": ENGINE["attention_backend"]}
+    config = config.model_copy(
+        update={"engine": config.engine.model_copy(update=backend)}
+    ).resolved()
     moe = variant.startswith("moe")
     e = config.engine
     if variant == "moe-no-expert-load":

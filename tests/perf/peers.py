@@ -27,7 +27,12 @@ from deployments.cli import end_leftover_haproxy, wait_for_stop_signal
 
 MODEL_DIR = Path(".models/tiny-deepseek-v2")
 NAME = "tiny-deepseek-v2"
+# Every peer's attention backend: what moe-cluster's ``auto`` picks on this CPU, or
+# the one this variable names (``CPU_MLA`` on an AMX machine measures the path a
+# CPU without AMX takes: float32, 16-token blocks, no prefix cache in vLLM).
+BACKEND_ENV = "MOE_CLUSTER_BENCH_BACKEND"
 ENGINE = {
+    "attention_backend": os.environ.get(BACKEND_ENV, "auto"),
     "max_model_len": 2048,
     "kv_cache_memory_bytes": 256 << 20,
     "max_num_seqs": 32,
@@ -38,8 +43,10 @@ ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 
 def platform_kwargs() -> dict[str, object]:
     """The attention backend, dtype and block size moe-cluster's auto picks on this
-    CPU, for the peers' engines."""
-    p = ClusterConfig().engine_platform()
+    CPU (or the one ``MOE_CLUSTER_BENCH_BACKEND`` names), for the peers' engines."""
+    p = ClusterConfig.model_validate(
+        {"engine": {"attention_backend": ENGINE["attention_backend"]}}
+    ).engine_platform()
     return {
         "attention_backend": p.vllm_backend,
         "dtype": p.dtype,

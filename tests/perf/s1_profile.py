@@ -42,6 +42,7 @@ from typing import Any
 import psutil
 
 from tests.perf.compare_peers import PEERS, S1, Server, closed, is_moe
+from tests.perf.peers import platform_kwargs
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -251,6 +252,7 @@ def main() -> None:
         "system": args.system,
         "label": args.label,
         "args": vars(args),
+        "engine": platform_kwargs(),
     }
     try:
         procs = processes(started)
