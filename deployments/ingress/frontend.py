@@ -405,12 +405,15 @@ class Frontend:
         stream with ``Finish(reason="abort")``. ``telemetry`` (the request's span)
         is told what happens and ended with the stream.
         """
+        events = self._stream(request, deadline_s, telemetry)
         if telemetry is None:
-            async for event in self._stream(request, deadline_s, None):
-                yield event
+            try:
+                async for event in events:
+                    yield event
+            finally:
+                await events.aclose()  # settled now if the caller stops early
             return
         tel = telemetry
-        events = self._stream(request, deadline_s, tel)
         try:
             async for event in events:
                 if isinstance(event, TokenDelta):
@@ -487,7 +490,9 @@ class Frontend:
                         elif isinstance(event, Finish):
                             if resumed is not None and (rest := resumed.flush()):
                                 yield TokenDelta((), rest)
-                            done = True
+                            # Served, even if the caller stops reading at its
+                            # Finish (the HTTP handlers close the stream there).
+                            done, outcome = True, Outcome.OK
                             placed = self._placed.get(rid)
                             hist = placed.expert_hist if placed else ()
                             event = dataclasses.replace(
@@ -498,7 +503,7 @@ class Frontend:
                             _raise_ended(event)
                         yield event
                         if stopped:  # a stop string that straddled the seam
-                            done = True
+                            done, outcome = True, Outcome.OK
                             _cancel(self._inflight.get(rid, _NOT_OPEN))
                             yield final("stop")
                             break

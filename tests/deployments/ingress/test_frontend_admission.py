@@ -12,7 +12,7 @@ import pytest
 
 from cluster.config import RouterConfig
 from cluster.qos import QoS
-from deployments.ingress import frontend
+from deployments.ingress import deployment, frontend
 from deployments.ingress.errors import (
     INVALID,
     OVERLOADED,
@@ -20,6 +20,7 @@ from deployments.ingress.errors import (
     status_of,
 )
 from deployments.ingress.frontend import Frontend
+from deployments.ingress.openai_api import ResponseShape
 from deployments.ingress.validation import InvalidRequest, Limits
 from deployments.protocol import (
     EngineFailed,
@@ -78,6 +79,7 @@ def setup(
     migration_limit: int = 0,
     breaker_failures: int = 2,
     clock: Callable[[], float] = lambda: 0.0,
+    replicas: tuple[str, ...] = ("a", "b"),
 ) -> tuple[Frontend, RouterService, list[EngineRequest]]:
     cfg = RouterConfig.model_validate(
         {
@@ -88,7 +90,7 @@ def setup(
         }
     )
     service = RouterService(RouterCore(CoreSettings.of(cfg), clock=clock))
-    for r in ("a", "b"):
+    for r in replicas:
         service.report(ReplicaReport(ReplicaId(r)))
     opened: list[EngineRequest] = []
     streams = iter([ScriptedStream(s) for s in scripts])
@@ -207,6 +209,60 @@ async def test_failure_mid_stream_is_reported_against_the_replica() -> None:
         with pytest.raises(EngineUnavailable):
             await drain(fe, req(rid))
     assert service.snapshot().replicas["a"].breaker == "open"
+
+
+async def http_response(fe: Frontend, r: EngineRequest, streamed: bool) -> None:
+    """Serves ``r`` as the OpenAI HTTP handlers do: they stop reading its events
+    at the Finish and close the stream there."""
+    events = fe.stream(r)
+    first = await deployment._first_output(events)
+    if not streamed:
+        got = await deployment._collect(first, events)
+        assert got.finish.reason == "length"
+        return
+    shape = ResponseShape("completion", r.request_id, "m")
+    body = b"".join([c async for c in deployment._sse(shape, first, events, True)])
+    assert body.endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["stream", "whole"])
+async def test_an_http_response_is_a_success_of_its_replica(streamed: bool) -> None:
+    # A failure, a success served over HTTP, a failure: the success reset the
+    # count, so the two failures are not in a row and the breaker stays closed
+    # (were it taken for a client gone away, it would open).
+    boom = RuntimeError("engine died")
+    failing = [Started("a"), TokenDelta((5,), "a"), boom]
+    fe, service, opened = setup(failing, ok("a"), failing, replicas=("a",))
+    with pytest.raises(EngineUnavailable):
+        await drain(fe, req("1"))
+    await http_response(fe, req("2"), streamed)
+    with pytest.raises(EngineUnavailable):
+        await drain(fe, req("3"))
+    assert [r.replica_id for r in opened] == ["a", "a", "a"]
+    assert service.snapshot().replicas["a"].breaker == "closed"
+    assert running(service) == 0
+
+
+async def test_an_http_response_is_the_probe_that_closes_a_breaker() -> None:
+    now = [0.0]
+    boom = RuntimeError("engine died")
+    failing = [Started("a"), TokenDelta((5,), "a"), boom]
+    fe, service, opened = setup(
+        failing, failing, ["hang"], ok("a"), clock=lambda: now[0]
+    )
+    for rid in ("1", "2"):
+        with pytest.raises(EngineUnavailable):
+            await drain(fe, req(rid))
+    assert service.snapshot().replicas["a"].breaker == "open"
+    # b is busy, a has cooled down: the next request is a's probe.
+    busy = asyncio.create_task(drain(fe, req("busy")))
+    await until(lambda: running(service) == 1, "b busy")
+    now[0] += 3600.0
+    await http_response(fe, req("probe"), streamed=True)
+    assert [r.replica_id for r in opened] == ["a", "a", "b", "a"]
+    assert service.snapshot().replicas["a"].breaker == "closed"
+    fe.abort("busy")
+    await busy
 
 
 async def test_the_predicted_expert_histogram_is_recorded_on_the_request(
