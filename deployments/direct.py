@@ -334,12 +334,19 @@ class DirectStream:
         self._ended()
 
     async def __aiter__(self) -> AsyncIterator[EngineEvent]:
+        last = False
         try:
             async for frame in self._call:
                 body = pickle.loads(memoryview(frame)[1:])
                 if frame[:1] == _ERROR:
                     raise body
+                last = isinstance(body, _LAST)
                 yield body
+                if last:
+                    # The call ends on its own once the replica's handler has
+                    # done its bookkeeping: not waited for, so the client's
+                    # stream ends with its last event.
+                    return
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
             if self._cancelled:  # as a cancelled Serve call ends
                 raise RequestCancelledError() from None
@@ -354,7 +361,7 @@ class DirectStream:
                 f"{e.code().name} {e.details() or ''}".rstrip()
             ) from None
         finally:
-            if not self._call.done():
+            if not last and not self._call.done():
                 self._call.cancel()
             self._ended()
 

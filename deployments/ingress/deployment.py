@@ -135,6 +135,9 @@ async def _collect(
     return _Collected("".join(parts), event, calls, logprobs)
 
 
+_DONE = openai_api.sse("[DONE]")
+
+
 async def _sse(
     shape: openai_api.ResponseShape,
     first: EngineEvent,
@@ -152,17 +155,22 @@ async def _sse(
                 chunk = shape.chunk(event.text, None, event.tool_calls, event.logprobs)
                 yield openai_api.sse(chunk)
             elif isinstance(event, Finish):
-                yield openai_api.sse(shape.chunk("", event.reason))
+                # The last chunk, the usage and the end in one write: the client
+                # has its whole answer (and may send its next request) before
+                # the request's own bookkeeping runs (its span, metrics and
+                # access line, the router's release).
+                tail = openai_api.sse(shape.chunk("", event.reason))
                 if include_usage:
-                    yield openai_api.sse(shape.usage_chunk(event))
-                break
+                    tail += openai_api.sse(shape.usage_chunk(event))
+                yield tail + _DONE
+                return
             event = await anext(events, None)
     except Exception as e:
         status = status_of(e)
         yield openai_api.sse(openai_api.error_body(status, _client_message(e), None))
     finally:
         await events.aclose()  # leave the in-flight table now, not at GC
-    yield openai_api.sse("[DONE]")
+    yield _DONE
 
 
 def _route() -> str:

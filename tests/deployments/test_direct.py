@@ -461,3 +461,39 @@ async def test_a_stream_closed_by_its_caller_after_its_last_event_is_a_success()
         assert recorded.calls.pop()[0::2] == ("/v1/completions", outcome)
     await streams.close()
     await server.stop(0)
+
+
+async def test_a_stream_ends_at_its_last_event_and_leaves_the_call_to_end() -> None:
+    # After its last event the replica's handler still has work (its records;
+    # here it never returns): the ingress's stream ends with the event, and
+    # the call is left to end on its own, not cancelled.
+    recorded = _Recorded()
+
+    async def generate(req: EngineRequest) -> AsyncIterator[Any]:
+        yield Started("replica-a")
+        yield Finish("length", 3, 3, 0, "replica-a")
+        await asyncio.Event().wait()
+
+    server = direct.DirectServer("replica-a", generate, "127.0.0.1", recorded)
+    endpoint = await server.start()
+
+    async def ask(replica_id: str) -> Endpoint | None:
+        return endpoint
+
+    streams = DirectStreams(ask)
+    streams.open(request(), {})
+    await until(lambda: streams.known() == ["replica-a"], "the endpoint")
+    stream = streams.open(request("r"), {}, "/v1/completions")
+    assert stream is not None
+
+    async def read() -> list[Any]:
+        return [e async for e in stream]
+
+    seen = await asyncio.wait_for(read(), 10)
+    assert isinstance(seen[-1], Finish)
+    await asyncio.sleep(0.2)
+    assert recorded.calls == []  # its handler runs on: nothing cancelled it
+    await streams.close()
+    await until(lambda: len(recorded.calls) == 1, "the call's record")
+    assert recorded.calls[0][0::2] == ("/v1/completions", None)
+    await server.stop(0)
