@@ -423,6 +423,23 @@ async def test_a_cancelled_direct_stream_is_recorded_as_serve_records_one(
     await stop(server)
 
 
+async def serving(
+    generate: Any, recorded: _Recorded
+) -> tuple[direct.DirectServer, DirectStreams]:
+    """A replica's direct server on ``generate`` (recording into ``recorded``),
+    and an ingress's client that knows its endpoint."""
+    server = direct.DirectServer("replica-a", generate, "127.0.0.1", recorded)
+    endpoint = await server.start()
+
+    async def ask(replica_id: str) -> Endpoint | None:
+        return endpoint
+
+    streams = DirectStreams(ask)
+    streams.open(request(), {})
+    await until(lambda: streams.known() == ["replica-a"], "the endpoint")
+    return server, streams
+
+
 async def test_a_stream_closed_by_its_caller_after_its_last_event_is_a_success() -> (
     None
 ):
@@ -438,15 +455,7 @@ async def test_a_stream_closed_by_its_caller_after_its_last_event_is_a_success()
         after_last.set()
         await asyncio.Event().wait()  # its clean-up, or a stall: never returns
 
-    server = direct.DirectServer("replica-a", generate, "127.0.0.1", recorded)
-    endpoint = await server.start()
-
-    async def ask(replica_id: str) -> Endpoint | None:
-        return endpoint
-
-    streams = DirectStreams(ask)
-    streams.open(request(), {})
-    await until(lambda: streams.known() == ["replica-a"], "the endpoint")
+    server, streams = await serving(generate, recorded)
     for rid, outcome in (("finished", None), ("cut", "CancelledError")):
         after_last.clear()
         stream = streams.open(request(rid), {}, "/v1/completions")
@@ -474,15 +483,7 @@ async def test_a_stream_ends_at_its_last_event_and_leaves_the_call_to_end() -> N
         yield Finish("length", 3, 3, 0, "replica-a")
         await asyncio.Event().wait()
 
-    server = direct.DirectServer("replica-a", generate, "127.0.0.1", recorded)
-    endpoint = await server.start()
-
-    async def ask(replica_id: str) -> Endpoint | None:
-        return endpoint
-
-    streams = DirectStreams(ask)
-    streams.open(request(), {})
-    await until(lambda: streams.known() == ["replica-a"], "the endpoint")
+    server, streams = await serving(generate, recorded)
     stream = streams.open(request("r"), {}, "/v1/completions")
     assert stream is not None
 
