@@ -224,7 +224,9 @@ class StoreScheduler:
         try:
             answer = self._client.found(pending)
         except StoreError:
-            return None  # a lookup asks again, and warns if it fails again
+            # A lookup asks again, and warns if it fails again; what a lost
+            # connection pinned, the store gave back when it went.
+            return None
         if skip == 0:
             return answer
         if answer.refs:  # its pins start at blocks the engine now holds itself

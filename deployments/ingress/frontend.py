@@ -393,12 +393,12 @@ class Frontend:
 
     # -- streaming -----------------------------------------------------------
 
-    async def stream(
+    def stream(
         self,
         request: EngineRequest,
         deadline_s: float | None = None,
         telemetry: RequestTelemetry | None = None,
-    ) -> AsyncIterator[EngineEvent]:
+    ) -> AsyncGenerator[EngineEvent, None]:
         """Engine events of ``request``; ends with one ``Finish`` or raises.
 
         ``deadline_s`` bounds the wait for the first token. An ``abort`` ends the
@@ -406,14 +406,12 @@ class Frontend:
         is told what happens and ended with the stream.
         """
         events = self._stream(request, deadline_s, telemetry)
-        if telemetry is None:
-            try:
-                async for event in events:
-                    yield event
-            finally:
-                await events.aclose()  # settled now if the caller stops early
-            return
-        tel = telemetry
+        return events if telemetry is None else self._observed(events, telemetry)
+
+    async def _observed(
+        self, events: AsyncGenerator[EngineEvent, None], tel: RequestTelemetry
+    ) -> AsyncGenerator[EngineEvent, None]:
+        """``events``, each told to the request's telemetry, which ends with them."""
         try:
             async for event in events:
                 if isinstance(event, TokenDelta):
