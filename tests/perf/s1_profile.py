@@ -2,7 +2,8 @@
 
     .venv/bin/python -m tests.perf.s1_profile [moe|vllm|vllm-uni|...] [--engine-json J]
         [--router-json J] [--kvstore-json J] [--pyspy SECONDS]
-        [--pyspy-concurrency N] [--pyspy-idle] [--grpc] [--vllm-no-stats]
+        [--pyspy-concurrency N] [--pyspy-idle | --pyspy-gil] [--grpc]
+        [--vllm-no-stats]
         [--idle SECONDS]
 
 Starts one system as ``make bench-peers`` does (one replica, one core), runs S1
@@ -20,7 +21,11 @@ warmup's included) and its sleeps and preemptions per token. With ``--pyspy``
 it also records each of the busiest processes with py-spy for that long, at
 ``--pyspy-concurrency`` streams (one by default), and prints the frames that
 hold most samples (self and inclusive); ``--pyspy-idle`` samples waiting
-threads too, each stack under its thread, and prints where the raw stacks are.
+threads too, each stack under its thread, and prints where the raw stacks are;
+``--pyspy-gil`` samples only the thread holding the GIL, and prints each thread's
+share of the run it held it (what a process's threads take from each other: the
+engine core's thread, where it runs in the engine replica's process, waits while
+another holds it).
 With ``--idle`` it first measures the started server serving nothing, for that
 long: CPU per second per process (what the system costs a node whether or not
 it serves).
@@ -156,19 +161,40 @@ def top_frames(raw: Path, n: int = 12) -> tuple[list[Any], list[Any], int]:
     return own.most_common(n), incl.most_common(n), samples
 
 
+RATE = 100  # py-spy's samples a second
+
+
+def gil_shares(raw: Path, seconds: float) -> dict[str, float]:
+    """Each thread's share of ``seconds`` holding the GIL, from py-spy's stacks
+    recorded with ``--gil --threads`` (each stack under its thread)."""
+    held: collections.Counter[str] = collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        # The thread's frame, then the outermost Python frame: which thread it is.
+        held[";".join(frames[:2])] += int(count)
+    return {t: k / (RATE * seconds) for t, k in held.most_common()}
+
+
 def pyspy(
-    pids: dict[int, str], seconds: int, out: Path, idle: bool = False
+    pids: dict[int, str],
+    seconds: int,
+    out: Path,
+    idle: bool = False,
+    gil: bool = False,
 ) -> list[Any]:
     """Starts py-spy on each process (collapsed stacks into ``out``); with
     ``idle``, threads' samples while they wait too, each stack under its
-    thread."""
+    thread; with ``gil``, only the thread holding the GIL, under its thread."""
     spy = str(Path(sys.executable).parent / "py-spy")
 
     def argv(pid: int) -> list[str]:
         record = [spy, "record", "--pid", str(pid), "--duration", str(seconds)]
-        options = ["--nonblocking", "--rate", "100", "--format", "raw"]
+        options = ["--nonblocking", "--rate", str(RATE), "--format", "raw"]
         if idle:
             options += ["--idle", "--threads"]
+        if gil:
+            options += ["--gil", "--threads"]
         return [*record, *options, "--output", str(out / f"{pid}.txt")]
 
     return [
@@ -218,6 +244,11 @@ def main() -> None:
         help="py-spy samples waiting threads too, each stack under its thread",
     )
     p.add_argument(
+        "--pyspy-gil",
+        action="store_true",
+        help="py-spy samples only the thread holding the GIL: each thread's share",
+    )
+    p.add_argument(
         "--idle",
         type=int,
         default=0,
@@ -235,6 +266,8 @@ def main() -> None:
         "(--disable-log-stats), which moe-cluster's engines keep",
     )
     args = p.parse_args()
+    if args.pyspy_idle and args.pyspy_gil:
+        p.error("--pyspy-idle and --pyspy-gil sample differently: give one of them")
     base = next(peer for peer in PEERS if peer.key == args.system)
     extra = args.server_args.split()
     if is_moe(args.system):
@@ -273,7 +306,7 @@ def main() -> None:
                 if name.startswith(("ray::Serve", "ray::DeepSeek", "VLLM::"))
                 or "api_server" in name
             }
-            spies = pyspy(busy, args.pyspy, logs, args.pyspy_idle)
+            spies = pyspy(busy, args.pyspy, logs, args.pyspy_idle, args.pyspy_gil)
             duration = args.pyspy + 2.0
             asyncio.run(run(args.grpc, args.pyspy_concurrency, 1_000_000, duration))
             for spy in spies:
@@ -285,6 +318,10 @@ def main() -> None:
                     continue
                 own, incl, samples = top_frames(f)
                 print(f"--- py-spy {name} (pid {pid}): {samples} samples")
+                if args.pyspy_gil:
+                    print("  the GIL held, share of the run, by thread:")
+                    for thread, share in gil_shares(f, args.pyspy).items():
+                        print(f"    {100 * share:5.1f}%  {thread}")
                 print("  self:")
                 for frame, k in own:
                     print(f"    {100 * k / samples:5.1f}%  {frame}")
