@@ -154,3 +154,12 @@ def test_a_metric_the_harness_does_not_know_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown metric"):
         pairs.value(_s3(1, 1, 1), "S3", "tpot_p50")
     assert pairs.value(_s3(1, 1, 1), "S2", "ttft_p99") is None
+
+
+def test_a_label_names_the_result_files_beside_the_others() -> None:
+    plain = pairs.result_stem("S1")
+    assert plain.startswith("s1_pairs-")
+    assert pairs.result_stem("S1", "uni-2") == f"{plain}-uni-2"
+    for bad in ("../peers", "a b", "x/y", "."):
+        with pytest.raises(ValueError, match="letters, digits"):
+            pairs.result_stem("S1", bad)

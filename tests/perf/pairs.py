@@ -4,7 +4,7 @@ single draw.
 
     make bench-s1-pairs     # or: .venv/bin/python -m tests.perf.pairs --scenario S1
     make bench-s3-pairs     # or: .venv/bin/python -m tests.perf.pairs --scenario S3
-        [--rounds K] [--peers moe,REF,...] [--more]
+        [--rounds K] [--peers moe,REF,...] [--more] [--label L]
 
 On a small VM the pace of a server moves from one start to the next by more
 than the margins the goals turn on (bare vLLM's one-stream tok/s spanned 78-144
@@ -29,8 +29,10 @@ round (for TTFT, lower is better); the summary is the geometric mean of the
 rounds' ratios with a 95% confidence interval (Student's t on the log ratios),
 and their range.
 
-Writes ``tests/perf/results/<scenario>_pairs-<backend>.{json,md}``; ``--more``
-adds rounds to the recorded ones.
+Writes ``tests/perf/results/<scenario>_pairs-<backend>.{json,md}``, or
+``...-<backend>-<label>.{json,md}`` with ``--label`` (a run kept beside the
+others: a setting tried, another day's code); ``--more`` adds rounds to the
+ones recorded under the same name.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,6 +54,8 @@ from tests.perf.compare_peers import (
     per_cpu,
     run_peer,
 )
+
+LABEL = re.compile(r"[A-Za-z0-9_-]+")  # a part of a file name, nothing more
 
 
 @dataclass(frozen=True)
@@ -237,6 +242,16 @@ def markdown(
     return "\n".join(lines) + "\n"
 
 
+def result_stem(scenario: str, label: str = "") -> str:
+    """The result files' name: ``<scenario>_pairs-<backend>``, then ``-<label>``."""
+    stem = per_cpu(f"{scenario.lower()}_pairs")
+    if not label:
+        return stem
+    if not LABEL.fullmatch(label):
+        raise ValueError(f"letters, digits, - and _ only; got {label!r}")
+    return f"{stem}-{label}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default="S1")
@@ -252,6 +267,11 @@ def main() -> None:
         help="moe-cluster's peers and the references, each started once a round "
         "(default: the scenario's)",
     )
+    p.add_argument(
+        "--label",
+        default="",
+        help="name the result files ...-<backend>-<label> (letters, digits, - or _)",
+    )
     args = p.parse_args()
     scenario = SCENARIOS[args.scenario]
     keys = (args.peers or scenario.peers).split(",")
@@ -265,7 +285,10 @@ def main() -> None:
     cannot = [k for k in keys if scenario.name not in known[k].scenarios]
     if cannot:
         p.error(f"--peers: {cannot} do not run {scenario.name}")
-    stem = per_cpu(f"{scenario.name.lower()}_pairs")
+    try:
+        stem = result_stem(scenario.name, args.label)
+    except ValueError as e:
+        p.error(f"--label: {e}")
     rounds: list[dict[str, dict[str, Any]]] = []
     if args.more:
         if not (RESULTS / f"{stem}.json").exists():
