@@ -78,5 +78,6 @@ def test_gil_shares_name_the_thread_that_holds_the_gil(tmp_path: Path) -> None:
     shares = gil_shares(tmp_path / f"{child.pid}.txt", seconds)
     spinner = sum(v for k, v in shares.items() if "spinner" in k)
     waiting = sum(v for k, v in shares.items() if "MainThread" in k)
-    assert spinner > 0.5, shares
-    assert waiting < 0.05, shares
+    # py-spy's own pace on a busy machine lowers every share alike.
+    assert spinner > 0.3, shares
+    assert waiting < spinner / 10, shares

@@ -23,9 +23,9 @@ it also records each of the busiest processes with py-spy for that long, at
 hold most samples (self and inclusive); ``--pyspy-idle`` samples waiting
 threads too, each stack under its thread, and prints where the raw stacks are;
 ``--pyspy-gil`` samples only the thread holding the GIL, and prints each thread's
-share of the run it held it (what a process's threads take from each other: the
-engine core's thread, where it runs in the engine replica's process, waits while
-another holds it).
+share of the run it held it: what one process's threads can take from each other
+(vLLM's engine core is a process of its own, so the engine replica's threads
+take nothing from the thread that steps the model).
 With ``--idle`` it first measures the started server serving nothing, for that
 long: CPU per second per process (what the system costs a node whether or not
 it serves).
