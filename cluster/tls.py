@@ -86,7 +86,7 @@ def issue_node_files(
 
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import dsa, ec, ed448, ed25519, rsa
+    from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, rsa
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     if not ips and not dns_names:
@@ -96,15 +96,19 @@ def issue_node_files(
     ca_key = serialization.load_pem_private_key(
         (ca_dir / "ca.key").read_bytes(), password=None
     )
+    # DSA signs too, but is deprecated and not what TLS peers verify.
     signers = (
         rsa.RSAPrivateKey,
         ec.EllipticCurvePrivateKey,
         ed25519.Ed25519PrivateKey,
         ed448.Ed448PrivateKey,
-        dsa.DSAPrivateKey,
     )
     if not isinstance(ca_key, signers):
-        raise ValueError(f"{ca_dir / 'ca.key'}: a key that cannot sign certificates")
+        kind = type(ca_key).__name__.removesuffix("PrivateKey")
+        raise ValueError(
+            f"{ca_dir / 'ca.key'}: its key is {kind}; a CA signs with an RSA, "
+            "EC, Ed25519 or Ed448 key"
+        )
     public = serialization.PublicFormat.SubjectPublicKeyInfo
     pem = serialization.Encoding.PEM
     if ca_key.public_key().public_bytes(pem, public) != ca.public_key().public_bytes(

@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import x25519
 from cryptography.hazmat.primitives.serialization import (
     BestAvailableEncryption,
     Encoding,
+    NoEncryption,
     PrivateFormat,
 )
 
@@ -154,6 +156,16 @@ def test_node_cert_refuses_what_would_not_work(
     )
     assert issue(tmp_path / "locked", out, "--ip", "127.0.0.1") == 1
     assert "encrypted" in capsys.readouterr().err
+    # A key that does not sign (key agreement only).
+    (tmp_path / "x25519").mkdir()
+    (tmp_path / "x25519" / "ca.crt").write_bytes(ca.public_bytes(Encoding.PEM))
+    (tmp_path / "x25519" / "ca.key").write_bytes(
+        x25519.X25519PrivateKey.generate().private_bytes(
+            Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()
+        )
+    )
+    assert issue(tmp_path / "x25519", out, "--ip", "127.0.0.1") == 1
+    assert "its key is X25519; a CA signs with" in capsys.readouterr().err
     # A node's certificate in the CA's place.
     assert issue(ca_dir, tmp_path / "node", "--ip", "127.0.0.1") == 0
     (tmp_path / "node" / "ca.crt").write_bytes(
