@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -145,15 +146,20 @@ def print_cpu(used: dict[str, float], per: float, unit: str, floor: float) -> No
             print(f"    {name:45s} {1000 * v / per:8.1f} ms CPU/{unit}")
 
 
+def stacks(raw: Path) -> Iterator[tuple[list[str], int]]:
+    """(frames, outermost first; samples) of each line of py-spy's collapsed
+    stacks."""
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        yield stack.split(";"), int(count)
+
+
 def top_frames(raw: Path, n: int = 12) -> tuple[list[Any], list[Any], int]:
     """(self, inclusive, samples) from py-spy's collapsed stacks."""
     own: collections.Counter[str] = collections.Counter()
     incl: collections.Counter[str] = collections.Counter()
     samples = 0
-    for line in raw.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        k = int(count)
-        frames = stack.split(";")
+    for frames, k in stacks(raw):
         samples += k
         own[frames[-1]] += k
         for f in set(frames):
@@ -168,11 +174,8 @@ def gil_shares(raw: Path, seconds: float) -> dict[str, float]:
     """Each thread's share of ``seconds`` holding the GIL, from py-spy's stacks
     recorded with ``--gil --threads`` (each stack under its thread)."""
     held: collections.Counter[str] = collections.Counter()
-    for line in raw.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        frames = stack.split(";")
-        # The thread's frame, then the outermost Python frame: which thread it is.
-        held[";".join(frames[:2])] += int(count)
+    for frames, k in stacks(raw):
+        held[frames[0]] += k  # "thread (TID): NAME"
     return {t: k / (RATE * seconds) for t, k in held.most_common()}
 
 
