@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.perf.s1_profile import gil_shares, main_thread, pyspy
+from tests.perf.s1_profile import engine_waits, gil_shares, main_thread, pyspy
 
 SLEEPS, SPIN_S = 40, 0.3
 
@@ -81,3 +81,31 @@ def test_gil_shares_name_the_thread_that_holds_the_gil(tmp_path: Path) -> None:
     # py-spy's own pace on a busy machine lowers every share alike.
     assert spinner > 0.3, shares
     assert waiting < spinner / 10, shares
+
+
+# Lines as ``perf trace --tid PID --duration 1`` prints them (from the engine
+# core's main thread at four streams): a queue's condition (out of work), the
+# GIL's condition and mutex, a socket's poll, and futex wakes that took long only
+# because their thread was preempted in them.
+PERF_TRACE = """\
+   313.040 (21.623 ms): futex(uaddr: 0x5555920d2850, op: WAIT_BITSET|PRIVATE_FLAG|CLOCK_REALTIME, val3: MATCH_ANY) = 0
+   948.497 (16.927 ms): futex(uaddr: 0x555592e11550, op: WAIT_BITSET|PRIVATE_FLAG|CLOCK_REALTIME, val3: MATCH_ANY) = 0
+  1020.683 ( 3.066 ms): futex(uaddr: 0x7feb7e94e6f4, op: WAIT_BITSET|PRIVATE_FLAG, utime: 0x7ffc494a3010, val3: MATCH_ANY) = 0
+  1633.381 ( 2.080 ms): futex(uaddr: 0x7feb7e94e6f8, op: WAIT|PRIVATE_FLAG, val: 2)           = 0
+  2918.576 ( 1.118 ms): poll(ufds: 0x7ffc494a3b18, nfds: 1, timeout_msecs: 5000)              = 1
+  3133.597 ( 8.760 ms): futex(uaddr: 0x55bf43f57684, op: WAKE|PRIVATE_FLAG, val: 2147483647)  = 0
+  3538.675 (11.087 ms): futex(uaddr: 0x555594390e10, op: WAIT_BITSET|PRIVATE_FLAG|CLOCK_REALTIME, val3: MATCH_ANY) = 0
+  8031.997 ( 1.782 ms): futex(uaddr: 0x7f8d7574e6f8, op: WAKE|PRIVATE_FLAG, val: 1)           = 0
+"""  # noqa: E501
+
+
+def test_engine_waits_tell_running_out_of_work_from_locks() -> None:
+    waits = engine_waits(PERF_TRACE, seconds=2.0)
+    # 21.6, 16.9 and 11.1 ms: out of work; the two wakes are not waits.
+    assert waits["idle_waits_per_s"] == 1.5
+    assert waits["idle_ms_per_s"] == round((21.623 + 16.927 + 11.087) / 2, 2)
+    assert waits["idle_wait_p50_ms"] == 16.93
+    # The GIL's two waits and the socket's poll.
+    assert waits["short_waits_per_s"] == 1.5
+    assert waits["short_ms_per_s"] == round((3.066 + 2.080 + 1.118) / 2, 2)
+    assert engine_waits("", 1.0)["idle_wait_p50_ms"] == 0.0

@@ -3,7 +3,7 @@
     .venv/bin/python -m tests.perf.s1_profile [moe|vllm|vllm-uni|...] [--engine-json J]
         [--router-json J] [--kvstore-json J] [--pyspy SECONDS]
         [--pyspy-concurrency N] [--pyspy-idle | --pyspy-gil] [--grpc]
-        [--vllm-no-stats]
+        [--vllm-no-stats] [--waits SECONDS]
         [--idle SECONDS]
 
 Starts one system as ``make bench-peers`` does (one replica, one core), runs S1
@@ -26,6 +26,10 @@ threads too, each stack under its thread, and prints where the raw stacks are;
 share of the run it held it: what one process's threads can take from each other
 (vLLM's engine core is a process of its own, so the engine replica's threads
 take nothing from the thread that steps the model).
+With ``--waits`` it first traces the engine core's main thread with ``perf
+trace`` for that long at four streams, and prints how often, and for how long,
+it blocked for 1 ms or more: waits of 5 ms or more are the engine out of work
+(a step never blocks that long), shorter ones a lock (the GIL) or a socket.
 With ``--idle`` it first measures the started server serving nothing, for that
 long: CPU per second per process (what the system costs a node whether or not
 it serves).
@@ -37,9 +41,13 @@ import argparse
 import asyncio
 import collections
 import json
+import re
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -210,6 +218,50 @@ def pyspy(
     ]
 
 
+# A syscall perf trace printed: "  313.040 (21.623 ms): futex(uaddr: 0x..., op: ..."
+_TRACED = re.compile(r"\(\s*([\d.]+) ms\): (\w+)\((.*)")
+# The calls a thread blocks in: a lock or condition (the GIL's among them), a
+# queue's condition (vLLM's engine core waiting for requests), a socket.
+WAIT_CALLS = ("futex", "poll", "ppoll", "epoll_wait", "select", "recvfrom")
+IDLE_MS = 5.0  # a wait this long is the engine out of work, not a lock
+
+
+def engine_waits(trace: str, seconds: float) -> dict[str, float]:
+    """From ``perf trace --duration 1`` of one thread for ``seconds``: how often
+    it blocked for ``IDLE_MS`` or more (and for how long, per second and at the
+    median), and for 1 ms to ``IDLE_MS``. A futex that wakes others is not a
+    wait, however long it took (its thread was preempted in it)."""
+    long: list[float] = []
+    short: list[float] = []
+    for line in trace.splitlines():
+        m = _TRACED.search(line)
+        if m is None or m[2] not in WAIT_CALLS:
+            continue
+        if m[2] == "futex" and "WAIT" not in m[3].split("op: ", 1)[-1].split(",")[0]:
+            continue
+        ms = float(m[1])
+        (long if ms >= IDLE_MS else short).append(ms)
+    long.sort()
+    return {
+        "idle_waits_per_s": round(len(long) / seconds, 2),
+        "idle_ms_per_s": round(sum(long) / seconds, 2),
+        "idle_wait_p50_ms": round(long[len(long) // 2], 2) if long else 0.0,
+        "short_waits_per_s": round(len(short) / seconds, 2),
+        "short_ms_per_s": round(sum(short) / seconds, 2),
+    }
+
+
+def trace_waits(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    """Starts ``perf trace`` on ``pid``'s main thread: its blocking calls of 1
+    ms or more, into ``out``, until it is sent SIGINT."""
+    perf = shutil.which("perf")
+    if perf is None:
+        raise SystemExit("--waits needs perf (Debian's linux-perf)")
+    argv = [perf, "trace", "--tid", str(pid), "--duration", "1"]
+    argv += ["-e", ",".join(WAIT_CALLS), "-o", str(out)]
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
 # One stream of S1 prompts for the server's whole run: a prompt sent twice would be
 # answered in part from a prefix cache (vLLM's, or moe-cluster's page store).
 PROMPTS = S1.requests()
@@ -250,6 +302,13 @@ def main() -> None:
         "--pyspy-gil",
         action="store_true",
         help="py-spy samples only the thread holding the GIL: each thread's share",
+    )
+    p.add_argument(
+        "--waits",
+        type=int,
+        default=0,
+        help="first, seconds of perf trace on the engine core's main thread at "
+        "four streams: how often and how long it blocks",
     )
     p.add_argument(
         "--idle",
@@ -302,6 +361,32 @@ def main() -> None:
             }
             print(f"idle: {1000 * sum(used.values()) / args.idle:.1f} ms CPU/s")
             print_cpu(used, args.idle, "s", floor=0.0)
+        if args.waits:
+            core = next(p.pid for p in procs if "EngineCore" in title(p))
+            traced = logs / "engine-waits.txt"
+            load = threading.Thread(
+                target=asyncio.run, args=(run(args.grpc, 4, 1_000_000, args.waits + 5),)
+            )
+            load.start()
+            time.sleep(2.0)  # four streams running
+            perf = trace_waits(core, traced)
+            time.sleep(args.waits)
+            perf.send_signal(signal.SIGINT)
+            _, err = perf.communicate(timeout=30)
+            load.join()
+            if not traced.exists() or perf.returncode not in (0, -signal.SIGINT):
+                raise SystemExit(f"perf trace failed: {err.decode().strip()}")
+            waits = engine_waits(traced.read_text(), args.waits)
+            out["engine_waits_c4"] = waits
+            print(
+                f"the engine core's main thread at four streams ({traced}): "
+                f"{waits['idle_waits_per_s']:.1f} waits/s of {IDLE_MS:.0f} ms or more, "
+                f"{waits['idle_ms_per_s']:.1f} ms/s (p50 "
+                f"{waits['idle_wait_p50_ms']:.1f} ms); "
+                f"{waits['short_waits_per_s']:.1f}/s of 1-{IDLE_MS:.0f} ms, "
+                f"{waits['short_ms_per_s']:.1f} ms/s",
+                flush=True,
+            )
         if args.pyspy:
             busy = {
                 pid: name
