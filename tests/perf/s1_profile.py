@@ -28,8 +28,9 @@ share of the run it held it: what one process's threads can take from each other
 take nothing from the thread that steps the model).
 With ``--waits`` it first traces the engine core's main thread with ``perf
 trace`` for that long at four streams, and prints how often, and for how long,
-it blocked for 1 ms or more: waits of 5 ms or more are the engine out of work
-(a step never blocks that long), shorter ones a lock (the GIL) or a socket.
+it blocked for 1 ms or more: waits of 5 ms or more are counted as the engine
+out of work (its waits for the GIL and for the page store's answers were all
+shorter in the runs recorded), shorter ones as a lock or a socket.
 With ``--idle`` it first measures the started server serving nothing, for that
 long: CPU per second per process (what the system costs a node whether or not
 it serves).
@@ -223,7 +224,10 @@ _TRACED = re.compile(r"\(\s*([\d.]+) ms\): (\w+)\((.*)")
 # The calls a thread blocks in: a lock or condition (the GIL's among them), a
 # queue's condition (vLLM's engine core waiting for requests), a socket.
 WAIT_CALLS = ("futex", "poll", "ppoll", "epoll_wait", "select", "recvfrom")
-IDLE_MS = 5.0  # a wait this long is the engine out of work, not a lock
+# A wait this long is counted as the engine out of work: its waits for the GIL
+# (at most the 5-ms switch interval, as a rule) and for the page store's answers
+# were all shorter in the runs recorded.
+IDLE_MS = 5.0
 
 
 def engine_waits(trace: str, seconds: float) -> dict[str, float]:
@@ -251,12 +255,9 @@ def engine_waits(trace: str, seconds: float) -> dict[str, float]:
     }
 
 
-def trace_waits(pid: int, out: Path) -> subprocess.Popen[bytes]:
+def trace_waits(perf: str, pid: int, out: Path) -> subprocess.Popen[bytes]:
     """Starts ``perf trace`` on ``pid``'s main thread: its blocking calls of 1
     ms or more, into ``out``, until it is sent SIGINT."""
-    perf = shutil.which("perf")
-    if perf is None:
-        raise SystemExit("--waits needs perf (Debian's linux-perf)")
     argv = [perf, "trace", "--tid", str(pid), "--duration", "1"]
     argv += ["-e", ",".join(WAIT_CALLS), "-o", str(out)]
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -330,6 +331,9 @@ def main() -> None:
     args = p.parse_args()
     if args.pyspy_idle and args.pyspy_gil:
         p.error("--pyspy-idle and --pyspy-gil sample differently: give one of them")
+    perf = shutil.which("perf") or ""
+    if args.waits and not perf:
+        p.error("--waits needs perf (Debian's linux-perf)")
     base = next(peer for peer in PEERS if peer.key == args.system)
     extra = args.server_args.split()
     if is_moe(args.system):
@@ -365,17 +369,19 @@ def main() -> None:
             core = next(p.pid for p in procs if "EngineCore" in title(p))
             traced = logs / "engine-waits.txt"
             load = threading.Thread(
-                target=asyncio.run, args=(run(args.grpc, 4, 1_000_000, args.waits + 5),)
+                target=asyncio.run,
+                args=(run(args.grpc, 4, 1_000_000, args.waits + 5),),
+                daemon=True,  # not waited for if perf fails
             )
             load.start()
             time.sleep(2.0)  # four streams running
-            perf = trace_waits(core, traced)
+            tracer = trace_waits(perf, core, traced)
             time.sleep(args.waits)
-            perf.send_signal(signal.SIGINT)
-            _, err = perf.communicate(timeout=30)
-            load.join()
-            if not traced.exists() or perf.returncode not in (0, -signal.SIGINT):
+            tracer.send_signal(signal.SIGINT)
+            _, err = tracer.communicate(timeout=30)
+            if not traced.exists() or tracer.returncode not in (0, -signal.SIGINT):
                 raise SystemExit(f"perf trace failed: {err.decode().strip()}")
+            load.join()
             waits = engine_waits(traced.read_text(), args.waits)
             out["engine_waits_c4"] = waits
             print(
