@@ -129,13 +129,16 @@ def cpu_waits(procs: list[psutil.Process]) -> dict[int, tuple[str, float]]:
     return out
 
 
+def engine_core(procs: list[psutil.Process]) -> int | None:
+    """The pid of vLLM's engine core, which steps the model on its main thread
+    (one OpenMP thread, the uni executor)."""
+    return next((p.pid for p in procs if "EngineCore" in title(p)), None)
+
+
 def engine_main(procs: list[psutil.Process]) -> tuple[float, float, int, int] | None:
-    """``main_thread`` of vLLM's engine core, which steps the model on it (one
-    OpenMP thread, the uni executor)."""
-    for p in procs:
-        if "EngineCore" in title(p):
-            return main_thread(p.pid)
-    return None
+    """``main_thread`` of vLLM's engine core."""
+    pid = engine_core(procs)
+    return None if pid is None else main_thread(pid)
 
 
 def by_title(
@@ -221,6 +224,7 @@ def pyspy(
 
 # A syscall perf trace printed: "  313.040 (21.623 ms): futex(uaddr: 0x..., op: ..."
 _TRACED = re.compile(r"\(\s*([\d.]+) ms\): (\w+)\((.*)")
+_FUTEX_OP = re.compile(r"op: ([\w|]+)")
 # The calls a thread blocks in: a lock or condition (the GIL's among them), a
 # queue's condition (vLLM's engine core waiting for requests), a socket.
 WAIT_CALLS = ("futex", "poll", "ppoll", "epoll_wait", "select", "recvfrom")
@@ -241,7 +245,8 @@ def engine_waits(trace: str, seconds: float) -> dict[str, float]:
         m = _TRACED.search(line)
         if m is None or m[2] not in WAIT_CALLS:
             continue
-        if m[2] == "futex" and "WAIT" not in m[3].split("op: ", 1)[-1].split(",")[0]:
+        op = _FUTEX_OP.search(m[3])
+        if m[2] == "futex" and (op is None or "WAIT" not in op[1]):
             continue
         ms = float(m[1])
         (long if ms >= IDLE_MS else short).append(ms)
@@ -255,12 +260,29 @@ def engine_waits(trace: str, seconds: float) -> dict[str, float]:
     }
 
 
-def trace_waits(perf: str, pid: int, out: Path) -> subprocess.Popen[bytes]:
-    """Starts ``perf trace`` on ``pid``'s main thread: its blocking calls of 1
-    ms or more, into ``out``, until it is sent SIGINT."""
+def trace_waits(
+    perf: str, pid: int, seconds: int, out: Path, grpc: bool
+) -> dict[str, float]:
+    """``engine_waits`` of ``pid``'s main thread over ``seconds`` at four
+    streams: ``perf trace`` of its blocking calls of 1 ms or more (into
+    ``out``), started once the streams run."""
+    load = threading.Thread(
+        target=asyncio.run,
+        args=(run(grpc, 4, 1_000_000, seconds + 5),),
+        daemon=True,  # not waited for if perf fails
+    )
+    load.start()
+    time.sleep(2.0)  # four streams running
     argv = [perf, "trace", "--tid", str(pid), "--duration", "1"]
     argv += ["-e", ",".join(WAIT_CALLS), "-o", str(out)]
-    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    tracer = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(seconds)
+    tracer.send_signal(signal.SIGINT)
+    _, err = tracer.communicate(timeout=30)
+    if not out.exists() or tracer.returncode not in (0, -signal.SIGINT):
+        raise SystemExit(f"perf trace failed: {err.decode().strip()}")
+    load.join()
+    return engine_waits(out.read_text(), seconds)
 
 
 # One stream of S1 prompts for the server's whole run: a prompt sent twice would be
@@ -366,23 +388,11 @@ def main() -> None:
             print(f"idle: {1000 * sum(used.values()) / args.idle:.1f} ms CPU/s")
             print_cpu(used, args.idle, "s", floor=0.0)
         if args.waits:
-            core = next(p.pid for p in procs if "EngineCore" in title(p))
+            core = engine_core(procs)
+            if core is None:
+                raise SystemExit("--waits: no vLLM engine core among the processes")
             traced = logs / "engine-waits.txt"
-            load = threading.Thread(
-                target=asyncio.run,
-                args=(run(args.grpc, 4, 1_000_000, args.waits + 5),),
-                daemon=True,  # not waited for if perf fails
-            )
-            load.start()
-            time.sleep(2.0)  # four streams running
-            tracer = trace_waits(perf, core, traced)
-            time.sleep(args.waits)
-            tracer.send_signal(signal.SIGINT)
-            _, err = tracer.communicate(timeout=30)
-            if not traced.exists() or tracer.returncode not in (0, -signal.SIGINT):
-                raise SystemExit(f"perf trace failed: {err.decode().strip()}")
-            load.join()
-            waits = engine_waits(traced.read_text(), args.waits)
+            waits = trace_waits(perf, core, args.waits, traced, args.grpc)
             out["engine_waits_c4"] = waits
             print(
                 f"the engine core's main thread at four streams ({traced}): "
