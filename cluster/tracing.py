@@ -335,6 +335,7 @@ class Attr:
     KV_PAGES_ASKED = "moe_cluster.kv.pages_asked"
     KV_PAGES_HELD = "moe_cluster.kv.pages_in_engine"
     KV_PAGES_FOUND = "moe_cluster.kv.pages_found"
+    KV_UNASKED = "moe_cluster.kv.unasked"  # the presence filter answered: no call
     KV_PAGES_LOADED = "moe_cluster.kv.pages_loaded"
     KV_BYTES_LOADED = "moe_cluster.kv.bytes_loaded"
     KV_CHECKSUM_FAILURES = "moe_cluster.kv.checksum_failures"

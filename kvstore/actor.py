@@ -34,6 +34,7 @@ from kvstore.arena import SHM_DIR, unlink_orphaned
 from kvstore.block_hash import BlockHash
 from kvstore.directory import Directory, Entry, NodeId
 from kvstore.node_store import Changes, HotKey, NodeStore
+from kvstore.presence import VALID_SYNCS
 from kvstore.rpc import Fetch, StoreServer
 
 logger = logging.getLogger("moe_cluster.kvstore")
@@ -123,10 +124,12 @@ class NodeStoreActor:
         _unlink_stale_arenas(prefix)
         for orphan in unlink_orphaned(ARENA_PREFIX):
             logger.warning("removed an arena no process maps: %s", orphan)
-        self.store = NodeStore(
-            f"{prefix}-{self.incarnation[:8]}", config.capacity_bytes
-        )
         self.mirror = Directory()  # the cluster's directory as last synced
+        self.store = NodeStore(
+            f"{prefix}-{self.incarnation[:8]}",
+            config.capacity_bytes,
+            elsewhere=lambda: self.mirror.held_elsewhere(self.node_id),
+        )
         self._mirror_from = ("", -1)  # directory incarnation, seq
         self._published = -1  # this store's log, as far as the directory has it
         self._hot_sent: list[tuple[HotKey, int]] = []  # hot prefixes last published
@@ -158,6 +161,9 @@ class NodeStoreActor:
 
     async def _sync_loop(self) -> None:
         async def step() -> None:
+            # Engines trust the presence filter for a few intervals past this.
+            valid_s = VALID_SYNCS * self.config.sync_interval_s
+            self.store.maintain_presence(valid_s)
             self._metrics.update(self.store.summary())
             self._quiet_steps += 1
             if self._quiet_steps < IDLE_SYNC_EVERY and not self._news():
@@ -205,11 +211,25 @@ class NodeStoreActor:
                     *self._mirror_from,
                 )
                 self._hot_sent = hot
-                self.mirror.follow(log)
+                self._follow(log)
                 self._mirror_from = (inc, log.seq)
                 self._published = cursor
                 if changes is None or cursor == changes.seq:
                     return
+
+    def _follow(self, log: Changes[Entry]) -> None:
+        """Mirrors the directory's changes, and tells the presence filter which
+        pages other nodes now hold (or no longer do)."""
+        if log.full:
+            for _ in self.mirror.held_elsewhere(self.node_id):
+                self.store.gone_elsewhere()
+        self.mirror.follow(log)
+        for node, h in log.added:
+            if node != self.node_id:
+                self.store.add_elsewhere(h)
+        for node, _ in log.removed:
+            if node != self.node_id:
+                self.store.gone_elsewhere()
 
     # -- fetching from other nodes -----------------------------------------------
 

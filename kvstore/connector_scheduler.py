@@ -10,6 +10,13 @@ a step or two (``None``) instead of recomputing. ``plan_step`` lists, per step,
 the pages to load into the blocks just allocated and the blocks that this step
 completes, to save.
 
+A lookup is a round trip to the store's process, so a request the engine holds
+no block of is first checked against the store's presence filter
+(``kvstore.presence``, mapped once a lookup's answer names the store's arena):
+when the filter lacks its first block, the store holds none of its pages and can
+fetch none, and the request is answered 0 with no call (such lookups are
+reported to the store, about once a second, to be counted as misses).
+
 The scheduler asks for one request at a time, and each lookup is a round trip to
 the store's process. So a request that arrives with no block of the engine's own
 to skip is looked up as it arrives (``on_new_request``), and the answer is read
@@ -35,6 +42,7 @@ from typing import Any, Protocol
 import msgspec
 
 from cluster import tracing
+from kvstore import presence
 from kvstore.rpc import (
     Fetch,
     Found,
@@ -89,6 +97,9 @@ class StoreRequest(Protocol):
 # least as many as the engine has KV blocks, so that a first block it holds is
 # one of them (it evicts the least recently used first).
 RECENT_FIRST_BLOCKS = 4096
+# Lookups answered from the presence filter are reported to the store (to count
+# as misses) at most this often.
+UNASKED_REPORT_S = 1.0
 
 
 class StoreScheduler:
@@ -118,6 +129,15 @@ class StoreScheduler:
         self._saved: dict[str, int] = {}  # full blocks already handed to the store
         self._fetch_wait: dict[str, float] = {}  # traced requests waiting on a fetch
         self._last_fetch: dict[str, Fetch] = {}  # the fetch a lookup just reported
+        # The store's presence filter, of the arena its answers last named.
+        self._presence: presence.PresenceView | None = None
+        self._presence_arena = ""
+        # Lookups answered from the filter and pages they missed, not reported yet;
+        # the last report, its answer not read yet, and when it went.
+        self._unasked = (0, 0)
+        self._unasked_sent: Pending | None = None
+        self._unasked_at = 0.0
+        self._filter_answered = False  # the last lookup (for its span)
 
     def on_new_request(self, request: StoreRequest) -> None:
         rid = request.request_id
@@ -136,6 +156,8 @@ class StoreScheduler:
                 return  # the engine may hold some of it when it is scheduled
         if len(self._requests) > self._max_running:
             return  # it may wait for room: asked when scheduled
+        if self._absent(hashes):
+            return  # answered when scheduled, with no call
         # If it fails, it is asked again when scheduled, which warns then.
         with contextlib.suppress(StoreError):
             self._early[rid] = self._client.send_lookup(self._query(request, hashes, 0))
@@ -189,6 +211,8 @@ class StoreScheduler:
             if (since := self._fetch_wait.pop(rid, None)) is not None:
                 span.set_attribute(A.KV_FETCH_WAIT, time.monotonic() - since)
             span.set_attribute(A.KV_PAGES_FOUND, n // self._block_size)
+            if self._filter_answered:
+                span.set_attribute(A.KV_UNASKED, True)
             if (fetch := self._last_fetch.pop(rid, None)) is not None:
                 fetched: dict[str, Any] = {
                     A.KV_FETCH_NODE: fetch.node,
@@ -238,12 +262,20 @@ class StoreScheduler:
     ) -> int | None:
         rid, b = request.request_id, self._block_size
         answer = self._early_answer(rid, skip)
+        self._filter_answered = False
         if answer is None:
+            # Past blocks the engine holds, the store counts the prefix as reused
+            # (hot): asked whatever the filter says.
+            if skip == 0 and self._absent(hashes):
+                self._count_unasked(len(hashes))
+                self._filter_answered = True
+                return 0
             try:
                 answer = self._client.lookup(self._query(request, hashes, skip))
             except StoreError as e:
                 self._warn(e)
                 return 0
+        self._see_arena(answer.arena)
         if answer.pending:
             return None  # another node's pages are on their way
         if not answer.refs:
@@ -252,6 +284,36 @@ class StoreScheduler:
             self._last_fetch[rid] = answer.fetch
         self._found[rid] = (skip, answer.refs, answer.arena)
         return len(answer.refs) * b
+
+    def _absent(self, hashes: Sequence[bytes]) -> bool:
+        """Whether the store's filter says it holds, and can fetch, no page of a
+        prompt whose block hashes are ``hashes`` (none held by the engine)."""
+        view = self._presence
+        return view is not None and not view.may_hold(hashes[0])
+
+    def _see_arena(self, arena: str) -> None:
+        """Maps the presence filter of the store whose arena is ``arena`` (the
+        store restarted, or this is its first answer)."""
+        if arena == self._presence_arena:
+            return
+        if self._presence is not None:
+            self._presence.close()
+        self._presence, self._presence_arena = presence.attach(arena), arena
+
+    def _count_unasked(self, pages: int) -> None:
+        lookups, missed = self._unasked
+        self._unasked = (lookups + 1, missed + pages)
+        now = time.monotonic()
+        if now - self._unasked_at < UNASKED_REPORT_S:
+            return
+        try:
+            if (sent := self._unasked_sent) is not None:
+                self._unasked_sent = None
+                self._client.answer(sent)  # a second old: it is in
+            self._unasked_sent = self._client.send_unasked(*self._unasked)
+        except StoreError:
+            return  # these counts go with the next report
+        self._unasked, self._unasked_at = (0, 0), now
 
     def update_state_after_alloc(
         self, request: StoreRequest, block_ids: Sequence[int], num_external_tokens: int

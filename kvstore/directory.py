@@ -79,6 +79,10 @@ class Directory:
         """The pages ``node`` holds (a live view: do not change it)."""
         return self._by_node.get(node, _NONE)
 
+    def held_elsewhere(self, node: NodeId) -> list[BlockHash]:
+        """Every page some node other than ``node`` holds."""
+        return [h for h, nodes in self._holders.items() if nodes - {node}]
+
     def holders(self, h: BlockHash) -> set[NodeId]:
         return set(self._holders.get(h, ()))
 

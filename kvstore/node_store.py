@@ -11,13 +11,19 @@ a Unix socket, see ``rpc``) and to other nodes (over Ray). It adds to ``PageInde
 - **hot prefixes**: the token prefixes (with their tenant salt) that were served
   from the store most often, which new replicas warm up with;
 - **export / import** of pages between nodes (an exported page is checked against
-  its checksum; the importing node checksums what it writes).
+  its checksum; the importing node checksums what it writes);
+- **a presence filter** (``presence``) in shared memory beside the arena, of every
+  page a lookup could be answered from (its own, and other nodes' as
+  ``add_elsewhere`` reports them), which engines read to skip lookups that would
+  find nothing; its owner renews it (``maintain_presence``), and rebuilds it there
+  once enough pages have left.
 
 No Ray, no vLLM, no sockets: unit-tested on its own.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +35,9 @@ from kvstore import page_sum
 from kvstore.arena import Arena, Bytes, CorruptPage
 from kvstore.block_hash import BlockHash
 from kvstore.page_store import PageIndex, PageRef
+from kvstore.presence import PresenceFilter, bits_for, presence_name
+
+logger = logging.getLogger("moe_cluster.kvstore")
 
 T = TypeVar("T")
 
@@ -136,13 +145,22 @@ class LayoutMismatch(ValueError):
 
 
 class NodeStore:
-    def __init__(self, arena_name: str, capacity_bytes: int) -> None:
+    def __init__(
+        self,
+        arena_name: str,
+        capacity_bytes: int,
+        elsewhere: Callable[[], Iterable[BlockHash]] = tuple,
+    ) -> None:
+        """``elsewhere``: the pages other nodes hold, as far as this node knows
+        (what a lookup that misses here could fetch)."""
         if capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be > 0")
         self._arena_name = arena_name
         self.capacity_bytes = capacity_bytes
+        self._elsewhere = elsewhere
         self.arena: Arena | None = None
         self.index: PageIndex | None = None
+        self.presence: PresenceFilter | None = None
         self.layout = ""
         self.log: ChangeLog[BlockHash] = ChangeLog(self._hashes)
         self.hot = HotPrefixes()
@@ -165,6 +183,13 @@ class NodeStore:
             page_sum.warm(page_bytes=page_bytes)  # exports and imports copy pages
             self.index = PageIndex(num_pages, self._removed)
             self.layout = layout
+            try:
+                self.presence = PresenceFilter(
+                    presence_name(self.arena.name), bits_for(num_pages)
+                )
+                self.presence.rebuild(self._elsewhere())
+            except OSError as e:  # engines then look every prompt up, as before
+                logger.warning("no page presence filter for engines to read: %s", e)
         elif (page_bytes, layout) != (self.arena.page_bytes, self.layout):
             raise LayoutMismatch(
                 f"this node's store holds pages of {self.arena.page_bytes} bytes "
@@ -233,6 +258,8 @@ class NodeStore:
         for slot, crc in written:
             ref = index.commit(slot, crc)
             self.log.record(True, ref.page_hash)
+            if self.presence is not None:  # before the engine hears it is stored
+                self.presence.add(ref.page_hash)
             self.stats["saved_pages"] += 1
 
     def abandon(self, slots: Iterable[int]) -> None:
@@ -249,6 +276,32 @@ class NodeStore:
 
     def changes(self, since: int) -> Changes[BlockHash]:
         return self.log.since(since)
+
+    def count_unasked(self, lookups: int, pages: int) -> None:
+        """Counts lookups an engine answered from the presence filter (every
+        page missed) as if they had been made."""
+        self.stats["lookups"] += lookups
+        self.stats["miss_pages"] += pages
+
+    def add_elsewhere(self, h: BlockHash) -> None:
+        """Notes a page another node now holds (a lookup could fetch it)."""
+        if self.presence is not None:
+            self.presence.add(h)
+
+    def gone_elsewhere(self) -> None:
+        """Notes that another node no longer holds a page."""
+        if self.presence is not None:
+            self.presence.gone()
+
+    def maintain_presence(self, valid_s: float) -> None:
+        """Rebuilds the presence filter if enough pages have left it, and lets
+        engines trust it for ``valid_s`` more seconds: its owner calls this more
+        often than that, so engines stop trusting a filter whose owner stopped."""
+        if (presence := self.presence) is None or self.index is None:
+            return
+        if presence.due(len(self.index)):
+            presence.rebuild([*self.index.hashes(), *self._elsewhere()])
+        presence.renew(valid_s)
 
     # -- other nodes -------------------------------------------------------------
 
@@ -301,6 +354,9 @@ class NodeStore:
         }
 
     def close(self) -> None:
+        if self.presence is not None:
+            self.presence.close()
+            self.presence = None
         if self.arena is not None:
             self.arena.close()
             self.arena = None
@@ -313,6 +369,8 @@ class NodeStore:
     def _removed(self, h: BlockHash) -> None:
         self.log.record(False, h)
         self.hot.forget(h)
+        if self.presence is not None:
+            self.presence.gone()
 
     def _index(self) -> PageIndex:
         if self.index is None:

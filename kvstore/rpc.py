@@ -240,6 +240,9 @@ class StoreServer:
             return None
         if method == "drop":
             return s.drop([BlockHash(h) for h in args[0]])
+        if method == "unasked":  # lookups answered from the presence filter
+            s.count_unasked(int(args[0]), int(args[1]))
+            return None
         if method == "summary":
             return s.summary()
         raise StoreError(f"unknown method {method!r}")
@@ -404,6 +407,11 @@ class StoreClient:
 
     def drop(self, hashes: Sequence[bytes]) -> None:
         self.call("drop", list(hashes))
+
+    def send_unasked(self, lookups: int, pages: int) -> Pending:
+        """Reports lookups answered from the presence filter (nothing found), to
+        be counted as made; the answer says only that it arrived."""
+        return self.send("unasked", lookups, pages)
 
     def close(self) -> None:
         """Closes the connection; calls in flight on it fail."""

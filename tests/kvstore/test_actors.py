@@ -13,6 +13,7 @@ import numpy as np
 
 from cluster.config import KVStoreConfig
 from kvstore import actor as kv_actor
+from kvstore import presence
 from kvstore.arena import Arena
 from kvstore.block_hash import block_hashes
 from kvstore.rpc import StoreClient, Written
@@ -145,3 +146,56 @@ async def test_a_store_with_nothing_to_publish_syncs_less_often() -> None:
         arena.close()
     finally:
         await store.shutdown()
+
+
+async def test_the_presence_filter_holds_the_pages_other_nodes_hold() -> None:
+    store_a, directory, _ = _store(sync_interval_s=0.05)
+    config = KVStoreConfig(capacity_bytes=8 * PAGE, sync_interval_s=0.05)
+    store_b = kv_actor.NodeStoreActor(store_a.app, "node-b", config)
+    store_b._directory = Remote(directory)
+    theirs = list(block_hashes(list(range(2 * 16)), 16))
+    nobodys = list(block_hashes(list(range(100, 116)), 16))
+    try:
+        socket_a, socket_b = await store_a.start(), await store_b.start()
+
+        def open_and_save(socket: str, hashes: list[Any]) -> str:
+            client = StoreClient(socket)
+            info = client.open(PAGE, "layout")
+            arena = Arena.attach(info.name, info.num_pages, info.page_bytes)
+            reserved = client.reserve(hashes)
+            page = np.ones(PAGE, np.uint8)
+            client.commit(
+                [
+                    Written(s, arena.write(s, page))
+                    for s in reserved.slots
+                    if s is not None
+                ],
+                arena.name,
+            )
+            client.close()
+            arena.close()
+            return info.name
+
+        arena_a = await asyncio.to_thread(open_and_save, socket_a, [])
+        await asyncio.to_thread(open_and_save, socket_b, theirs)
+        view = presence.attach(arena_a)
+        assert view is not None
+        try:
+            # Renewed as node-a syncs (until then every page may be held)...
+            await until(lambda: not view.may_hold(nobodys[0]), "the filter renewed")
+            # ...and node-b's pages come in as node-a's mirror learns them (a
+            # lookup could fetch them).
+            await until(lambda: view.may_hold(theirs[0]), "node-b's page in the filter")
+            assert all(view.may_hold(h) for h in theirs)
+            assert not view.may_hold(nobodys[0])
+            # node-b's pages go: node-a's filter counts them gone, until a rebuild.
+            store_b.store.drop(theirs)
+            await store_b.sync()
+            await store_a.sync()
+            assert store_a.store.presence is not None
+            assert store_a.store.presence.stale == len(theirs)
+        finally:
+            view.close()
+    finally:
+        await store_b.shutdown()
+        await store_a.shutdown()

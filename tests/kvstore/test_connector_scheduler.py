@@ -3,12 +3,15 @@ each step saves, and that every pin is given back."""
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
 from kvstore.connector_scheduler import Loads, PageLoad, PageSave, StoreScheduler
+from kvstore.presence import PresenceFilter, bits_for, presence_name
 from kvstore.rpc import Found, PageRef, Query, StoreError
 
 B = 4  # tokens per block
@@ -23,6 +26,7 @@ class ScriptedStore:
     pending: bool = False
     down: bool = False
     calls: list[tuple[Any, ...]] = field(default_factory=list)
+    arena: str = "arena-1"
 
     def lookup(self, q: Query) -> Found:
         hashes, skip = q.hashes, q.skip
@@ -30,13 +34,13 @@ class ScriptedStore:
         if self.down:
             raise StoreError("store is gone")
         if self.pending:
-            return Found([], True, "arena-1")
+            return Found([], True, self.arena)
         refs = []
         for i, h in enumerate(hashes[skip:]):
             if h not in self.stored:
                 break
             refs.append(PageRef(100 + skip + i, h, 7 + i))
-        return Found(refs, False, "arena-1")
+        return Found(refs, False, self.arena)
 
     def release(self, *leases: str) -> None:
         self.calls.append(("release", *leases))
@@ -51,6 +55,15 @@ class ScriptedStore:
     def found(self, pending: Found) -> Found:
         self.calls.append(("found",))
         return pending
+
+    def send_unasked(self, lookups: int, pages: int) -> tuple[int, int]:
+        self.calls.append(("send_unasked", lookups, pages))
+        if self.down:
+            raise StoreError("store is gone")
+        return lookups, pages
+
+    def answer(self, pending: Any) -> None:
+        self.calls.append(("answer", pending))
 
 
 @dataclass
@@ -338,3 +351,102 @@ def test_an_untraced_request_makes_no_spans() -> None:
     s, _ = scheduler(ScriptedStore(stored=H[:4]))
     assert s.get_num_new_matched_tokens(Req("r1", 5 * B, H[:5]), 0) == 4 * B
     assert named(spans, "kvstore.lookup") == []
+
+
+@pytest.fixture
+def filtered() -> Iterator[tuple[ScriptedStore, PresenceFilter]]:
+    """A store holding H[0..3] whose presence filter (renewed) says so."""
+    arena = f"moe-test-{uuid.uuid4().hex[:8]}"
+    presence = PresenceFilter(presence_name(arena), bits_for(16))
+    for h in H[:4]:
+        presence.add(h)
+    presence.renew(60)
+    try:
+        yield ScriptedStore(stored=H[:4], arena=arena), presence
+    finally:
+        presence.close()
+
+
+def test_a_prompt_the_store_surely_lacks_is_answered_with_no_call(
+    filtered: tuple[ScriptedStore, PresenceFilter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, _ = filtered
+    s, _ = scheduler(store, max_running=8)
+    # Until an answer names the store's arena, the filter is not known.
+    s.on_new_request(first := Req("r0", 5 * B, H[:5]))
+    assert s.get_num_new_matched_tokens(first, 0) == 4 * B
+    assert kinds(store) == ["send_lookup", "found"]
+    store.calls.clear()
+    new = Req("r1", 3 * B, H[5:8])  # its first block is in no store
+    s.on_new_request(new)
+    assert s.get_num_new_matched_tokens(new, 0) == 0
+    # No lookup, sent or made; the miss is reported to be counted, at once as
+    # it is the first, then at most once a second.
+    assert store.calls == [("send_unasked", 1, 2)]
+    s.request_finished(new)
+    again = Req("r2", 3 * B, H[6:8] + H[:1])
+    assert s.get_num_new_matched_tokens(again, 0) == 0
+    assert store.calls == [("send_unasked", 1, 2)]  # kept for the next report
+    monkeypatch.setattr("kvstore.connector_scheduler.UNASKED_REPORT_S", 0.0)
+    assert s.get_num_new_matched_tokens(Req("r3", 2 * B, H[7:8]), 0) == 0
+    # The last report's answer is read before the next goes, with both misses.
+    assert store.calls[1:] == [("answer", (1, 2)), ("send_unasked", 2, 3)]
+
+
+def test_the_filter_is_not_asked_past_blocks_the_engine_holds(
+    filtered: tuple[ScriptedStore, PresenceFilter],
+) -> None:
+    store, _ = filtered
+    s, _ = scheduler(store)
+    s.get_num_new_matched_tokens(Req("r0", 2 * B, H[:2]), 0)  # learns the arena
+    store.calls.clear()
+    # The engine holds the first block: the store counts the prefix as reused
+    # (hot) even where it holds nothing past it, so it is asked.
+    held = Req("r1", 4 * B, [H[5], H[6], H[7], H[4]], num_computed_tokens=B)
+    assert s.get_num_new_matched_tokens(held, B) == 0
+    assert kinds(store) == ["lookup"]
+    # A first block in the filter (stored here or elsewhere) is asked for.
+    assert s.get_num_new_matched_tokens(Req("r2", 3 * B, H[:3]), 0) == 2 * B
+    assert kinds(store) == ["lookup", "lookup"]
+
+
+def test_a_filter_no_longer_renewed_sends_every_prompt_to_the_store(
+    filtered: tuple[ScriptedStore, PresenceFilter],
+) -> None:
+    store, presence = filtered
+    s, _ = scheduler(store)
+    s.get_num_new_matched_tokens(Req("r0", 2 * B, H[:2]), 0)
+    presence.renew(-1)  # the store stopped (or died) and renews it no more
+    store.calls.clear()
+    assert s.get_num_new_matched_tokens(Req("r1", 3 * B, H[5:8]), 0) == 0
+    assert kinds(store) == ["lookup"]
+    # A store that restarted names a new arena in its answers: that arena's
+    # filter is mapped (none here, so every prompt is asked for).
+    store.arena = "arena-after-restart"
+    s.get_num_new_matched_tokens(Req("r2", 3 * B, H[5:8]), 0)
+    presence.renew(60)
+    assert s.get_num_new_matched_tokens(Req("r3", 3 * B, H[5:8]), 0) == 0
+    assert kinds(store) == ["lookup", "lookup", "lookup"]
+
+
+def test_a_traced_lookup_the_filter_answered_says_so(
+    filtered: tuple[ScriptedStore, PresenceFilter],
+) -> None:
+    from cluster import tracing
+    from tests.spans import named, recorder
+
+    spans = recorder()
+    store, _ = filtered
+    s, _ = scheduler(store)
+    with tracing.tracer().start_as_current_span("engine.generate"):
+        headers = tracing.carrier()
+    for rid, hashes in (("r0", H[:3]), ("r1", H[5:8])):  # stored, then not
+        req = Req(rid, 3 * B, hashes)
+        req.trace_headers = headers  # type: ignore[attr-defined]
+        s.get_num_new_matched_tokens(req, 0)
+    asked, unasked = named(spans, "kvstore.lookup")
+    assert "moe_cluster.kv.unasked" not in (asked.attributes or {})
+    a = unasked.attributes or {}
+    assert a["moe_cluster.kv.unasked"] is True
+    assert a["moe_cluster.kv.pages_found"] == 0
+    assert kinds(store) == ["lookup", "send_unasked"]

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from kvstore import presence
 from kvstore.block_hash import BlockHash
 from kvstore.node_store import ChangeLog, Changes, LayoutMismatch, NodeStore
 
@@ -181,3 +182,48 @@ def test_a_caching_engine_is_offered_and_counted_only_what_the_store_adds(
     assert store.hot.top(2) == [(("", tuple(tokens)), 1)]
     with pytest.raises(ValueError, match="skip"):
         store.lookup("r", [H[0]], skip=2)
+
+
+def test_the_presence_filter_holds_what_a_lookup_could_be_answered_from() -> None:
+    elsewhere = [BlockHash(bytes([99]) * 32)]  # another node's page
+    s = NodeStore(f"moe-test-{uuid.uuid4().hex[:8]}", 4 * PAGE, lambda: elsewhere)
+    try:
+        s.open(PAGE, "layout-a")
+        assert s.presence is not None and s.arena is not None
+        view = presence.attach(s.arena.name)
+        assert view is not None
+        try:
+            assert view.may_hold(H[0])  # not renewed yet: every page may be held
+            s.maintain_presence(60)
+            assert view.may_hold(elsewhere[0]) and not view.may_hold(H[0])
+            put(s, H[:2])  # in the filter once committed
+            assert view.may_hold(H[0]) and view.may_hold(H[1])
+            s.add_elsewhere(H[9])  # the directory says another node has it now
+            assert view.may_hold(H[9])
+            # More pages than the arena holds evict the first: once more pages
+            # have gone than it holds (and at least 64), the next renewal
+            # rebuilds the filter from what is held.
+            more = [BlockHash(bytes([200, i]) * 16) for i in range(66)]
+            for at in range(0, len(more), 4):
+                put(s, more[at : at + 4])
+            assert view.may_hold(H[0])  # gone, still in the filter
+            s.maintain_presence(60)
+            assert s.presence.generation == 1  # built at open; 64 gone: not yet
+            s.gone_elsewhere()  # and the other node's H[9]
+            s.maintain_presence(60)
+            assert s.presence.generation == 2
+            assert not view.may_hold(H[0]) and not view.may_hold(H[9])
+            assert all(view.may_hold(h) for h in more[-4:])
+            assert view.may_hold(elsewhere[0])
+            # Lookups an engine answered from the filter count as misses.
+            before = s.summary()
+            s.count_unasked(3, 7)
+            after = s.summary()
+            assert after["lookups"] - before["lookups"] == 3
+            assert after["miss_pages"] - before["miss_pages"] == 7
+            s.close()  # engines stop trusting it at once
+            assert view.may_hold(H[0])
+        finally:
+            view.close()
+    finally:
+        s.close()

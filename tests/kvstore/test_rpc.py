@@ -14,10 +14,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvstore import presence
 from kvstore.arena import Arena
 from kvstore.block_hash import BlockHash
 from kvstore.node_store import NodeStore
+from kvstore.presence import VALID_SYNCS
 from kvstore.rpc import Found, Query, StoreClient, StoreError, StoreServer, Written
+from tests.waiting import wait_until
 
 H = [BlockHash(bytes([i]) * 32) for i in range(8)]
 PAGE = 128
@@ -27,16 +30,30 @@ class Running:
     """A node store served on its own event loop thread, as the store actor does."""
 
     def __init__(
-        self, path: str, on_miss: Any = None, capacity_bytes: int = 4 * PAGE
+        self,
+        path: str,
+        on_miss: Any = None,
+        capacity_bytes: int = 4 * PAGE,
+        sync_interval_s: float = 0.0,
     ) -> None:
+        """``sync_interval_s``: keep the presence filter up as the store actor
+        does, every that many seconds (0: never, so engines look every prompt up)."""
         self.store = NodeStore(f"moe-test-{uuid.uuid4().hex[:8]}", capacity_bytes)
         self.server = StoreServer(self.store, path, on_miss)
         self.loop = asyncio.new_event_loop()
+        self._maintainer: asyncio.Task[None] | None = None
         started = threading.Event()
+
+        async def maintain() -> None:
+            while True:
+                self.store.maintain_presence(VALID_SYNCS * sync_interval_s)
+                await asyncio.sleep(sync_interval_s)
 
         def run() -> None:
             asyncio.set_event_loop(self.loop)
             self.loop.run_until_complete(self.server.start())
+            if sync_interval_s > 0:
+                self._maintainer = self.loop.create_task(maintain())
             started.set()
             self.loop.run_forever()
 
@@ -45,6 +62,8 @@ class Running:
         assert started.wait(5)
 
     def stop(self) -> None:
+        if self._maintainer is not None:
+            self.loop.call_soon_threadsafe(self._maintainer.cancel)
         asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(5)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
@@ -226,3 +245,30 @@ def test_a_commit_of_slots_reserved_on_another_connection_is_refused(
         c.commit(written, arena.name)
         assert store.summary()["pages"] == 1
     other.close()
+
+
+def test_a_committed_page_is_in_the_filter_before_the_commit_is_answered(
+    tmp_path: Path,
+) -> None:
+    running = Running(str(tmp_path / "store.sock"), sync_interval_s=0.05)
+    try:
+        with connected(running.server.path) as (c, arena):
+            view = presence.attach(arena.name)
+            assert view is not None
+            try:
+                wait_until(lambda: not view.may_hold(H[0]), 5, "the filter renewed")
+                [slot] = c.reserve(H[:1]).slots
+                assert slot is not None and not view.may_hold(H[0])
+                page = np.full(PAGE, 5, np.uint8)
+                c.commit([Written(slot, arena.write(slot, page))], arena.name)
+                assert view.may_hold(H[0])
+                # Lookups an engine answered from the filter count as misses.
+                c.send_unasked(2, 5)
+                summary = c.call("summary")
+                assert (summary["lookups"], summary["miss_pages"]) == (2, 5)
+            finally:
+                view.close()
+    finally:
+        running.stop()
+    # A store that stopped: its filter is trusted no more.
+    assert presence.attach(arena.name) is None

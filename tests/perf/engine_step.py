@@ -261,7 +261,7 @@ def main() -> None:
     socket = str(Path(tempfile.mkdtemp(prefix="engine-step-")) / "store.sock")
     others = set(os.sched_getaffinity(0)) - {args.core} or {args.core}
     os.sched_setaffinity(0, others)
-    store = Running(socket, capacity_bytes=512 << 20)
+    store = Running(socket, capacity_bytes=512 << 20, sync_interval_s=0.5)
     ctx = mp.get_context("spawn")
     # Neighbours on another core, stopped except while a "+KIND" variant runs.
     kinds = {v.partition("+")[2] for v in variants} - {""}
