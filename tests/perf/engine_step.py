@@ -18,6 +18,11 @@ the first variant's in the same trial (with their range), the engine core's CPU
 per token and the time to first token; and it appends them, with every trial, to
 ``tests/perf/results/engine_step.jsonl``.
 
+On the 2-core AMX Xeon the engine started first (the first variant listed) ran
+4-6% slower than the others, whatever it was (HISTORY.md, "Prompts the store
+lacks"): list a throwaway variant first, and the two sides of a comparison in
+turn after it (ABBA).
+
 Variants, ``BASE[-split][@TREE][+KIND]``:
 
 - ``bare``: vLLM as the ``vllm-uni`` peer of ``make bench-peers`` runs it
