@@ -10,8 +10,9 @@ prompt itself asks the filter first, and skips the lookup when the filter lacks
 the prompt's first block: a lookup's run of pages starts at that block, so the
 store would have found nothing and fetched nothing. A Bloom filter never lacks
 what was added to it; a false positive (under 1 in 250 while it holds no more
-pages than a 32nd of its bits, after which the store rebuilds it) costs the
-lookup that would have been made anyway.
+pages than a 32nd of its bits) costs the lookup that would have been made
+anyway, so a filter fuller than that (other nodes holding many pages) still
+skips only lookups that would have found nothing, just fewer of them.
 
     segment:  | header: 4 u64 | half 0: BITS bits | half 1: BITS bits |
     header:   magic, log2(BITS), generation, valid until (CLOCK_MONOTONIC ns)
@@ -89,8 +90,9 @@ class PresenceFilter:
         _HEADER.pack_into(self._buf, 0, MAGIC, log2_bits, 0, 0)
         self.generation = 0
         self._closed = False
-        self.added = 0  # pages added since the last rebuild
+        self.added = 0  # pages in the live half (added since its rebuild, or by it)
         self.stale = 0  # pages gone since the last rebuild (still in the filter)
+        self._built = 0  # pages the last rebuild put in
 
     def _offset(self, generation: int) -> int:
         return _HEADER.size + (generation & 1) * self._half
@@ -108,8 +110,11 @@ class PresenceFilter:
 
     def due(self, live: int) -> bool:
         """Whether to rebuild: the pages gone outnumber those ``live``, or the
-        pages added since the last rebuild fill a 32nd of the bits."""
-        return self.stale > max(live, 64) or self.added > self.bits // 32
+        live half holds more than a 32nd of the bits in pages and twice what
+        the last rebuild put in (a filter rebuilt that full stays so: it is not
+        rebuilt again until it has taken as many pages more)."""
+        full = self.added > max(self.bits // 32, 2 * self._built)
+        return self.stale > max(live, 64) or full
 
     def rebuild(self, hashes: Iterable[bytes]) -> None:
         """Makes the filter hold exactly ``hashes``: written into the half not
@@ -123,7 +128,7 @@ class PresenceFilter:
                 buf[base + (p >> 3)] |= 1 << (p & 7)
             n += 1
         struct.pack_into("<Q", buf, _GEN, nxt)
-        self.generation, self.added, self.stale = nxt, n, 0
+        self.generation, self.added, self.stale, self._built = nxt, n, 0, n
 
     def renew(self, valid_s: float) -> None:
         """Readers may trust the filter for ``valid_s`` more seconds."""

@@ -89,6 +89,14 @@ def test_pages_added_past_a_32nd_of_the_bits_call_for_a_rebuild(
     assert not store.due(live=len(PAGES))
     store.add(PAGES[-1])
     assert store.due(live=len(PAGES))
+    # Rebuilt as full as that (other nodes hold that many pages), it is not due
+    # again at once: only once it has taken as many pages more.
+    n = store.bits // 32 + 1
+    store.rebuild(PAGES[:n])
+    assert not store.due(live=n)
+    for h in PAGES[n : 2 * n + 1]:
+        store.add(h)
+    assert store.due(live=n)
 
 
 def test_a_reader_that_sees_the_generation_move_takes_the_page_as_held(
