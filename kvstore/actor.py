@@ -220,16 +220,14 @@ class NodeStoreActor:
     def _follow(self, log: Changes[Entry]) -> None:
         """Mirrors the directory's changes, and tells the presence filter which
         pages other nodes now hold (or no longer do)."""
-        if log.full:
-            for _ in self.mirror.held_elsewhere(self.node_id):
-                self.store.gone_elsewhere()
+        me = self.node_id
+        if log.full:  # the mirror starts again from what the log holds
+            self.store.gone_elsewhere(len(self.mirror.held_elsewhere(me)))
         self.mirror.follow(log)
         for node, h in log.added:
-            if node != self.node_id:
+            if node != me:
                 self.store.add_elsewhere(h)
-        for node, _ in log.removed:
-            if node != self.node_id:
-                self.store.gone_elsewhere()
+        self.store.gone_elsewhere(sum(node != me for node, _ in log.removed))
 
     # -- fetching from other nodes -----------------------------------------------
 

@@ -288,15 +288,16 @@ class NodeStore:
         if self.presence is not None:
             self.presence.add(h)
 
-    def gone_elsewhere(self) -> None:
-        """Notes that another node no longer holds a page."""
+    def gone_elsewhere(self, pages: int = 1) -> None:
+        """Notes that other nodes no longer hold ``pages`` pages."""
         if self.presence is not None:
-            self.presence.gone()
+            self.presence.gone(pages)
 
     def maintain_presence(self, valid_s: float) -> None:
-        """Rebuilds the presence filter if enough pages have left it, and lets
-        engines trust it for ``valid_s`` more seconds: its owner calls this more
-        often than that, so engines stop trusting a filter whose owner stopped."""
+        """Rebuilds the presence filter when it is due (enough pages have left
+        it, or it filled), and lets engines trust it for ``valid_s`` more
+        seconds: its owner calls this more often than that, so engines stop
+        trusting a filter whose owner stopped."""
         if (presence := self.presence) is None or self.index is None:
             return
         if presence.due(len(self.index)):

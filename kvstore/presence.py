@@ -103,10 +103,10 @@ class PresenceFilter:
             buf[base + (p >> 3)] |= 1 << (p & 7)
         self.added += 1
 
-    def gone(self) -> None:
-        """Notes that a page left the store (it stays in the filter until a
+    def gone(self, pages: int = 1) -> None:
+        """Notes that pages left the store (they stay in the filter until a
         rebuild)."""
-        self.stale += 1
+        self.stale += pages
 
     def due(self, live: int) -> bool:
         """Whether to rebuild: the pages gone outnumber those ``live``, or the
