@@ -199,6 +199,8 @@ class PageStoreConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
+        if self.scheduler is not None:
+            self.scheduler.close()
         self._client.close()
 
     def _warn(self, error: Exception) -> None:

@@ -10,13 +10,6 @@ a step or two (``None``) instead of recomputing. ``plan_step`` lists, per step,
 the pages to load into the blocks just allocated and the blocks that this step
 completes, to save.
 
-A lookup is a round trip to the store's process, so a request the engine holds
-no block of is first checked against the store's presence filter
-(``kvstore.presence``, mapped once a lookup's answer names the store's arena):
-when the filter lacks its first block, the store holds none of its pages and can
-fetch none, and the request is answered 0 with no call (such lookups are
-reported to the store, about once a second, to be counted as misses).
-
 The scheduler asks for one request at a time, and each lookup is a round trip to
 the store's process. So a request that arrives with no block of the engine's own
 to skip is looked up as it arrives (``on_new_request``), and the answer is read
@@ -25,6 +18,12 @@ one each. Where the engine caches prefixes itself, a request whose first block
 came with a recent request is asked for when scheduled, as the engine may hold
 some of it then; so is any request while the engine already has a full batch
 (its pins would wait with it).
+
+A request the engine holds no block of is not looked up at all when the store's
+presence filter (``kvstore.presence``, mapped once a lookup's answer names the
+store's arena) lacks its first block: the store holds none of its pages and can
+fetch none, so it is answered 0 with no call (such lookups are reported to the
+store about once a second, to be counted as misses).
 
 No torch and no vLLM imports: vLLM's ``Request`` and block objects are used by
 their attributes only, so the unit tests drive this class with plain stand-ins.
@@ -301,6 +300,8 @@ class StoreScheduler:
         self._presence, self._presence_arena = presence.attach(arena), arena
 
     def _count_unasked(self, pages: int) -> None:
+        """Counts a lookup the filter answered (``pages`` missed), and reports
+        the counts if the last report is ``UNASKED_REPORT_S`` old."""
         lookups, missed = self._unasked
         self._unasked = (lookups + 1, missed + pages)
         now = time.monotonic()
@@ -376,6 +377,12 @@ class StoreScheduler:
         self._saved.pop(rid, None)
         self._fetch_wait.pop(rid, None)
         self._last_fetch.pop(rid, None)
+
+    def close(self) -> None:
+        """Lets go of the presence filter's mapping (the engine stops)."""
+        if self._presence is not None:
+            self._presence.close()
+        self._presence, self._presence_arena = None, ""
 
     def pinned(self) -> set[str]:
         """Requests holding pages pinned in the store (found or to load)."""

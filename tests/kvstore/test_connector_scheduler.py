@@ -391,6 +391,10 @@ def test_a_prompt_the_store_surely_lacks_is_answered_with_no_call(
     assert s.get_num_new_matched_tokens(Req("r3", 2 * B, H[7:8]), 0) == 0
     # The last report's answer is read before the next goes, with both misses.
     assert store.calls[1:] == [("answer", (1, 2)), ("send_unasked", 2, 3)]
+    s.close()  # the engine stops: the filter's mapping is let go
+    store.calls.clear()
+    assert s.get_num_new_matched_tokens(Req("r4", 3 * B, H[5:8]), 0) == 0
+    assert kinds(store) == ["lookup"]
 
 
 def test_the_filter_is_not_asked_past_blocks_the_engine_holds(
