@@ -270,5 +270,5 @@ def test_a_committed_page_is_in_the_filter_before_the_commit_is_answered(
                 view.close()
     finally:
         running.stop()
-    # A store that stopped: its filter is trusted no more.
+    # A store that stopped removed its filter (and told readers first).
     assert presence.attach(arena.name) is None
