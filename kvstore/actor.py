@@ -34,7 +34,6 @@ from kvstore.arena import SHM_DIR, unlink_orphaned
 from kvstore.block_hash import BlockHash
 from kvstore.directory import Directory, Entry, NodeId
 from kvstore.node_store import Changes, HotKey, NodeStore
-from kvstore.presence import VALID_SYNCS
 from kvstore.rpc import Fetch, StoreServer
 
 logger = logging.getLogger("moe_cluster.kvstore")
@@ -161,9 +160,7 @@ class NodeStoreActor:
 
     async def _sync_loop(self) -> None:
         async def step() -> None:
-            # Engines trust the presence filter for a few intervals past this.
-            valid_s = VALID_SYNCS * self.config.sync_interval_s
-            self.store.maintain_presence(valid_s)
+            self.store.maintain_presence(self.config.sync_interval_s)
             self._metrics.update(self.store.summary())
             self._quiet_steps += 1
             if self._quiet_steps < IDLE_SYNC_EVERY and not self._news():

@@ -35,7 +35,7 @@ from kvstore import page_sum
 from kvstore.arena import Arena, Bytes, CorruptPage
 from kvstore.block_hash import BlockHash
 from kvstore.page_store import PageIndex, PageRef
-from kvstore.presence import PresenceFilter, bits_for, presence_name
+from kvstore.presence import VALID_SYNCS, PresenceFilter, bits_for, presence_name
 
 logger = logging.getLogger("moe_cluster.kvstore")
 
@@ -293,16 +293,16 @@ class NodeStore:
         if self.presence is not None:
             self.presence.gone(pages)
 
-    def maintain_presence(self, valid_s: float) -> None:
+    def maintain_presence(self, sync_interval_s: float) -> None:
         """Rebuilds the presence filter when it is due (enough pages have left
-        it, or it filled), and lets engines trust it for ``valid_s`` more
-        seconds: its owner calls this more often than that, so engines stop
+        it, or it filled), and lets engines trust it for ``VALID_SYNCS`` more
+        sync intervals: its owner calls this every interval, so engines stop
         trusting a filter whose owner stopped."""
         if (presence := self.presence) is None or self.index is None:
             return
         if presence.due(len(self.index)):
             presence.rebuild([*self.index.hashes(), *self._elsewhere()])
-        presence.renew(valid_s)
+        presence.renew(VALID_SYNCS * sync_interval_s)
 
     # -- other nodes -------------------------------------------------------------
 

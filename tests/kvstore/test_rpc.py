@@ -18,7 +18,6 @@ from kvstore import presence
 from kvstore.arena import Arena
 from kvstore.block_hash import BlockHash
 from kvstore.node_store import NodeStore
-from kvstore.presence import VALID_SYNCS
 from kvstore.rpc import Found, Query, StoreClient, StoreError, StoreServer, Written
 from tests.waiting import wait_until
 
@@ -46,7 +45,7 @@ class Running:
 
         async def maintain() -> None:
             while True:
-                self.store.maintain_presence(VALID_SYNCS * sync_interval_s)
+                self.store.maintain_presence(sync_interval_s)
                 await asyncio.sleep(sync_interval_s)
 
         def run() -> None:
