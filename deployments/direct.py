@@ -11,7 +11,10 @@ engine runs on, and the ingress calls it on its own: one process hop each way.
   a pickled ``EngineRequest``; each response message one pickled ``EngineEvent``
   (tag ``E``) or, last, the exception the replica's stream raised (tag ``X``),
   which the ingress raises again as it is: ``RequestRejected`` stays the client's
-  error. The trace context travels in the call's metadata.
+  error. A stream's last tokens travel with its ``Finish``, as a pickled pair
+  (tag ``M``), so the client's last token and the end of its answer leave the
+  ingress together rather than a message apart. The trace context travels in
+  the call's metadata.
 - **Trust.** Each replica draws a random token when its server starts, and a
   call without it is refused before its request is unpickled. The ingress gets
   the replica's address and token from the replica itself, through Serve
@@ -67,6 +70,7 @@ from deployments.protocol import (
     EngineRequest,
     Finish,
     HandOff,
+    TokenDelta,
 )
 
 logger = logging.getLogger("moe_cluster.direct")
@@ -75,7 +79,7 @@ SERVICE = "moecluster.engine.v1.Direct"
 GENERATE = f"/{SERVICE}/Generate"
 TOKEN_KEY = "x-moe-direct-token"
 ROUTE_KEY = "x-moe-route"  # the ingress request's route, for Serve's metrics
-_EVENT, _ERROR = b"E", b"X"
+_EVENT, _EVENTS, _ERROR = b"E", b"M", b"X"  # one event, several, an error
 _LAST = (Finish, HandOff, EngineLost)  # a stream's last event
 # Requests carry whole prompts (and tool schemas): up to the ingress's own limits.
 MAX_MESSAGE_BYTES = 256 << 20
@@ -246,12 +250,24 @@ class DirectServer:
         started = time.perf_counter()
         error: BaseException | None = None
         ended = False  # its last event sent: the caller may close the call first
+        held: TokenDelta | None = None  # the last tokens, sent with the Finish
         try:
             async for event in self._generate(request):
-                yield _EVENT + pickle.dumps(event, protocol=5)
+                if isinstance(event, TokenDelta) and event.finishing:
+                    held = event
+                    continue
+                if held is not None:
+                    yield _EVENTS + pickle.dumps((held, event), protocol=5)
+                    held = None
+                else:
+                    yield _EVENT + pickle.dumps(event, protocol=5)
                 ended = isinstance(event, _LAST)
+            if held is not None:
+                yield _EVENT + pickle.dumps(held, protocol=5)
         except Exception as e:
             error = e
+            if held is not None:
+                yield _EVENT + pickle.dumps(held, protocol=5)
             yield _frame_error(e)
         except BaseException as e:  # cancelled: the caller left
             error = None if ended else e
@@ -338,10 +354,12 @@ class DirectStream:
         try:
             async for frame in self._call:
                 body = pickle.loads(memoryview(frame)[1:])
-                if frame[:1] == _ERROR:
+                tag = frame[:1]
+                if tag == _ERROR:
                     raise body
-                last = isinstance(body, _LAST)
-                yield body
+                for event in body if tag == _EVENTS else (body,):
+                    last = isinstance(event, _LAST)
+                    yield event
                 if last:
                     # The call ends on its own once the replica's handler has
                     # done its bookkeeping: not waited for, so the client's

@@ -113,12 +113,15 @@ class TokenDelta:
 
     With a tool parser, ``text`` is the content outside tool calls and
     ``tool_calls`` the calls parsed so far; ``logprobs``: one per token, when
-    the request asked for them."""
+    the request asked for them. ``finishing``: the stream's ``Finish`` comes
+    right after it (the engine output that ended the request), so a hop may
+    pass the two on together."""
 
     token_ids: tuple[int, ...]
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()
     tool_calls: tuple[ToolCallDelta, ...] = ()
+    finishing: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry.trace import SpanKind
@@ -41,6 +41,7 @@ from deployments.protocol import (
     HandOff,
     RequestRejected,
     Started,
+    TokenDelta,
     TokenLogprob,
     ToolCallDelta,
 )
@@ -265,13 +266,19 @@ class VLLMEngine:
                 if completion and not running.first_token:
                     running.first_token = True
                     span.add_event("first_token")
-                if delta is not None:
-                    yield delta
-                if out.finished:
+                if not out.finished:
+                    if delta is not None:
+                        yield delta
+                else:
                     finished = True
                     _finished_span(span, out, seq.finish_reason, completion)
-                    if (rest := batcher.flush(clock())) is not None:
-                        yield rest
+                    # The last tokens say the Finish follows at once, so the
+                    # direct stream sends them in one message with it.
+                    rest = batcher.flush(clock())
+                    if delta is not None:
+                        yield delta if rest is not None else _finishing(delta)
+                    if rest is not None:
+                        yield _finishing(rest)
                     reason = _finish_reason(seq.finish_reason)
                     if tools is not None and tools.called and reason == "stop":
                         reason = "tool_calls"
@@ -521,6 +528,10 @@ def _finished_span(span: Any, out: Any, reason: str | None, completion: int) -> 
             attributes[A.ENGINE_DECODE] = max(0.0, m.last_token_ts - m.first_token_ts)
             attributes[A.ENGINE_TTFT] = m.first_token_latency
     span.set_attributes(attributes)
+
+
+def _finishing(delta: TokenDelta) -> TokenDelta:
+    return replace(delta, finishing=True)
 
 
 def _finish_reason(reason: str | None) -> Any:

@@ -147,19 +147,24 @@ async def _sse(
     if shape.chat:
         yield openai_api.sse(shape.role_chunk())
     event: EngineEvent | None = first
+    held = b""  # the last tokens' chunk, written with the end
     try:
         while event is not None:
             if isinstance(event, TokenDelta) and (
                 event.text or event.tool_calls or event.logprobs
             ):
                 chunk = shape.chunk(event.text, None, event.tool_calls, event.logprobs)
-                yield openai_api.sse(chunk)
+                if event.finishing:
+                    held += openai_api.sse(chunk)
+                else:
+                    yield held + openai_api.sse(chunk)
+                    held = b""
             elif isinstance(event, Finish):
-                # The last chunk, the usage and the end in one write: the client
-                # has its whole answer (and may send its next request) before
-                # the request's own bookkeeping runs (its span, metrics and
-                # access line, the router's release).
-                tail = openai_api.sse(shape.chunk("", event.reason))
+                # The last tokens, the finish, the usage and the end in one
+                # write: the client has its whole answer (and may send its next
+                # request) before the request's own bookkeeping runs (its span,
+                # metrics and access line, the router's release).
+                tail = held + openai_api.sse(shape.chunk("", event.reason))
                 if include_usage:
                     tail += openai_api.sse(shape.usage_chunk(event))
                 yield tail + _DONE
@@ -167,10 +172,12 @@ async def _sse(
             event = await anext(events, None)
     except Exception as e:
         status = status_of(e)
-        yield openai_api.sse(openai_api.error_body(status, _client_message(e), None))
+        error = openai_api.error_body(status, _client_message(e), None)
+        yield held + openai_api.sse(error)
+        held = b""
     finally:
         await events.aclose()  # leave the in-flight table now, not at GC
-    yield _DONE
+    yield held + _DONE
 
 
 def _route() -> str:

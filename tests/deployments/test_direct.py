@@ -498,3 +498,59 @@ async def test_a_stream_ends_at_its_last_event_and_leaves_the_call_to_end() -> N
     await until(lambda: len(recorded.calls) == 1, "the call's record")
     assert recorded.calls[0][0::2] == ("/v1/completions", None)
     await server.stop(0)
+
+
+async def test_the_last_tokens_travel_in_one_message_with_the_finish() -> None:
+    # The engine marks the delta its Finish follows at once; the wire carries
+    # the two as one message, and the ingress yields them as two events.
+    server = await start(direct_config(), FakeAsyncLLM(list(STEPS)))
+    endpoint = await server.direct_endpoint()
+    assert endpoint is not None
+    async with grpc.aio.insecure_channel(endpoint.address) as channel:
+        call = channel.unary_stream(direct.GENERATE)(
+            pickle.dumps(request()), metadata=((direct.TOKEN_KEY, endpoint.token),)
+        )
+        frames = [bytes(f) async for f in call]
+    assert [f[:1] for f in frames] == [b"E", b"E", b"E", b"M"]
+    last, finish = pickle.loads(frames[-1][1:])
+    assert last == TokenDelta((3,), "c", finishing=True)
+    assert isinstance(finish, Finish) and finish.reason == "length"
+
+    streams = await streams_to(server)
+    stream = streams.open(request("r2"), {})
+    assert stream is not None
+    seen = [e async for e in stream]
+    assert [type(e) for e in seen] == [
+        Started,
+        TokenDelta,
+        TokenDelta,
+        TokenDelta,
+        Finish,
+    ]
+    assert [e.finishing for e in seen if isinstance(e, TokenDelta)] == [
+        False,
+        False,
+        True,
+    ]
+    await streams.close()
+    await stop(server)
+
+
+async def test_last_tokens_whose_stream_then_fails_still_reach_the_ingress() -> None:
+    recorded = _Recorded()
+
+    async def generate(req: EngineRequest) -> AsyncIterator[Any]:
+        yield Started("replica-a")
+        yield TokenDelta((7,), "x", finishing=True)
+        raise RuntimeError("the finish failed")
+
+    server, streams = await serving(generate, recorded)
+    stream = streams.open(request("r"), {})
+    assert stream is not None
+    seen: list[Any] = []
+    with pytest.raises(RuntimeError, match="the finish failed"):
+        async for event in stream:
+            seen.append(event)
+    assert seen == [Started("replica-a"), TokenDelta((7,), "x", finishing=True)]
+    await streams.close()
+    await server.stop(0)

@@ -56,6 +56,21 @@ async def test_a_stream_opens_with_started_and_ends_with_one_finish() -> None:
     assert engine.tokens_generated == 4 and not llm.aborted
 
 
+@pytest.mark.parametrize("interval_s", [0.0, 3600.0])
+async def test_the_tokens_before_the_finish_say_it_follows(interval_s: float) -> None:
+    # Sent at once (no interval) or held until the finish (one far off): either
+    # way the last delta is marked, and only it, so a hop can send it with the
+    # Finish.
+    llm = FakeAsyncLLM(STEPS)
+    engine = VLLMEngine(llm, "replica-a", stream_interval_s=interval_s)  # type: ignore[arg-type]
+    events = await collect(engine, request())
+
+    deltas = [e for e in events if isinstance(e, TokenDelta)]
+    assert [t for d in deltas for t in d.token_ids] == [5, 6, 7, 8]
+    assert [d.finishing for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    assert events[-2] is deltas[-1] and isinstance(events[-1], Finish)
+
+
 async def test_a_consumer_that_goes_away_aborts_its_engine_request() -> None:
     hold = asyncio.Event()
     llm = FakeAsyncLLM(STEPS, hold=hold)
