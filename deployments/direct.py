@@ -257,10 +257,11 @@ class DirectServer:
                     held = event
                     continue
                 if held is not None:
-                    yield _EVENTS + pickle.dumps((held, event), protocol=5)
-                    held = None
+                    frame = _EVENTS + pickle.dumps((held, event), protocol=5)
+                    held = None  # sent with this frame, whatever happens to it
                 else:
-                    yield _EVENT + pickle.dumps(event, protocol=5)
+                    frame = _EVENT + pickle.dumps(event, protocol=5)
+                yield frame
                 ended = isinstance(event, _LAST)
             if held is not None:
                 yield _EVENT + pickle.dumps(held, protocol=5)
