@@ -128,17 +128,22 @@ async def test_an_endpoint_from_another_replica_is_not_kept() -> None:
     await stop(server)
 
 
-async def test_a_call_without_the_token_is_refused_before_it_is_read() -> None:
-    server = await start(direct_config(), FakeAsyncLLM(list(STEPS)))
+async def raw_frames(server: EngineServer, body: bytes, token: str = "") -> list[bytes]:
+    """The frames of one call to ``server``'s direct endpoint, as sent; with its
+    own token unless ``token`` is given."""
     endpoint = await server.direct_endpoint()
     assert endpoint is not None
     async with grpc.aio.insecure_channel(endpoint.address) as channel:
         call = channel.unary_stream(direct.GENERATE)(
-            b"not a pickle", metadata=((direct.TOKEN_KEY, "guess"),)
+            body, metadata=((direct.TOKEN_KEY, token or endpoint.token),)
         )
-        with pytest.raises(grpc.aio.AioRpcError) as e:
-            async for _ in call:
-                pass
+        return [bytes(frame) async for frame in call]
+
+
+async def test_a_call_without_the_token_is_refused_before_it_is_read() -> None:
+    server = await start(direct_config(), FakeAsyncLLM(list(STEPS)))
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await raw_frames(server, b"not a pickle", token="guess")
     assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
     await stop(server)
 
@@ -504,13 +509,7 @@ async def test_the_last_tokens_travel_in_one_message_with_the_finish() -> None:
     # The engine marks the delta its Finish follows at once; the wire carries
     # the two as one message, and the ingress yields them as two events.
     server = await start(direct_config(), FakeAsyncLLM(list(STEPS)))
-    endpoint = await server.direct_endpoint()
-    assert endpoint is not None
-    async with grpc.aio.insecure_channel(endpoint.address) as channel:
-        call = channel.unary_stream(direct.GENERATE)(
-            pickle.dumps(request()), metadata=((direct.TOKEN_KEY, endpoint.token),)
-        )
-        frames = [bytes(f) async for f in call]
+    frames = await raw_frames(server, pickle.dumps(request()))
     assert [f[:1] for f in frames] == [b"E", b"E", b"E", b"M"]
     last, finish = pickle.loads(frames[-1][1:])
     assert last == TokenDelta((3,), "c", finishing=True)
