@@ -41,7 +41,6 @@ from deployments.protocol import (
     HandOff,
     RequestRejected,
     Started,
-    TokenDelta,
     TokenLogprob,
     ToolCallDelta,
 )
@@ -272,13 +271,12 @@ class VLLMEngine:
                 else:
                     finished = True
                     _finished_span(span, out, seq.finish_reason, completion)
-                    # The last tokens say the Finish follows at once, so the
-                    # direct stream sends them in one message with it.
-                    rest = batcher.flush(clock())
-                    if delta is not None:
-                        yield delta if rest is not None else _finishing(delta)
-                    if rest is not None:
-                        yield _finishing(rest)
+                    # The last tokens (a delta the batcher let out takes all it
+                    # held) say the Finish follows at once, so the direct
+                    # stream sends them in one message with it.
+                    last = delta if delta is not None else batcher.flush(clock())
+                    if last is not None:
+                        yield replace(last, finishing=True)
                     reason = _finish_reason(seq.finish_reason)
                     if tools is not None and tools.called and reason == "stop":
                         reason = "tool_calls"
@@ -528,10 +526,6 @@ def _finished_span(span: Any, out: Any, reason: str | None, completion: int) -> 
             attributes[A.ENGINE_DECODE] = max(0.0, m.last_token_ts - m.first_token_ts)
             attributes[A.ENGINE_TTFT] = m.first_token_latency
     span.set_attributes(attributes)
-
-
-def _finishing(delta: TokenDelta) -> TokenDelta:
-    return replace(delta, finishing=True)
 
 
 def _finish_reason(reason: str | None) -> Any:
