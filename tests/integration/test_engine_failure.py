@@ -99,11 +99,17 @@ def test_a_dead_engines_streams_resume_elsewhere_and_its_breaker_opens(
 
     release, _ = wait_until(opened_in_a_trace, 30, "the breaker event in a trace")
     assert release.attributes["moe_cluster.router.outcome"] == "failed"
-    [request_span] = [
-        s
-        for s in traces.spans(release.trace_id)
-        if s.name.startswith("text_completion")
-    ]
+
+    def request_spans() -> list[Any]:
+        # The ingress exports the request's span when the stream ends, which
+        # may be after the router exported its release: wait for it too.
+        return [
+            s
+            for s in traces.spans(release.trace_id)
+            if s.name.startswith("text_completion")
+        ]
+
+    [request_span] = wait_until(request_spans, 30, "the request's span")
     # The request went on: no error, its migration an event of its span.
     assert not request_span.error
     assert request_span.attributes["moe_cluster.migrations"] == 1
@@ -163,8 +169,15 @@ def test_a_dead_engines_streams_resume_elsewhere_and_its_breaker_opens(
     assert span.attributes["moe_cluster.warmup.cached_tokens"] == (
         now[new].warmed_cached_tokens
     )
-    prefills = [s for s in traces.spans(span.trace_id) if s.name == "llm_request"]
-    assert len(prefills) == now[new].warmed_prefixes
+
+    def prefills() -> list[Any]:
+        # vLLM's spans, which its own exporter sends: they may come after.
+        return [s for s in traces.spans(span.trace_id) if s.name == "llm_request"]
+
+    wait_until(
+        lambda: len(prefills()) >= now[new].warmed_prefixes, 30, "the prefills' spans"
+    )
+    assert len(prefills()) == now[new].warmed_prefixes
     # ... and serves the pages stored before the crash.
     assert generate(engine_handle, new, kept).finish.cached_tokens == 6 * BLOCK
     store_after = ray.get(store.summary.remote())
