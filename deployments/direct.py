@@ -246,6 +246,7 @@ class DirectServer:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "not a request")
         parent = tracing.context_of({k: str(v) for k, v in metadata.items()})
         attached = otel_context.attach(parent) if parent is not None else None
+        task = asyncio.current_task()
         self.in_flight += 1
         started = time.perf_counter()
         error: BaseException | None = None
@@ -275,7 +276,10 @@ class DirectServer:
             raise
         finally:
             self.in_flight -= 1
-            if attached is not None:
+            # Closed from another task (the call torn down, the loop's
+            # finalizer), the context it took on is its own task's, which ends
+            # with it, and cannot be undone from here.
+            if attached is not None and asyncio.current_task() is task:
                 otel_context.detach(attached)
             if self._metrics is not None:
                 route = metadata.get(ROUTE_KEY, "")

@@ -553,3 +553,33 @@ async def test_last_tokens_whose_stream_then_fails_still_reach_the_ingress() -> 
     assert seen == [Started("replica-a"), TokenDelta((7,), "x", finishing=True)]
     await streams.close()
     await server.stop(0)
+
+
+async def test_a_stream_closed_from_another_task_leaves_no_context_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A replica whose engine died closes its open streams' handlers from other
+    tasks than the ones that ran them (the call torn down, the loop's generator
+    finalizer): the trace context a handler took on stays with its own task and
+    nothing logs an error for it."""
+
+    async def generate(req: EngineRequest) -> AsyncIterator[Any]:
+        yield Started("replica-a")
+        await asyncio.Event().wait()  # the engine never answers again
+        yield TokenDelta((1,), "never")
+
+    server = direct.DirectServer("replica-a", generate, "127.0.0.1")
+    traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+    class Context:
+        def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+            return ((direct.TOKEN_KEY, server._token), ("traceparent", traceparent))
+
+    handler = server._handle(pickle.dumps(request()), Context())  # type: ignore[arg-type]
+    first = await asyncio.create_task(handler.__anext__())  # type: ignore[arg-type]
+    assert pickle.loads(first[1:]) == Started("replica-a")
+    assert server.in_flight == 1
+    with caplog.at_level(logging.ERROR):
+        await asyncio.create_task(handler.aclose())  # type: ignore[arg-type]
+    assert server.in_flight == 0
+    assert not [r for r in caplog.records if "detach" in r.getMessage()]
