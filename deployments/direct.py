@@ -277,8 +277,8 @@ class DirectServer:
         finally:
             self.in_flight -= 1
             # Closed from another task (the call torn down, the loop's
-            # finalizer), the context it took on is its own task's, which ends
-            # with it, and cannot be undone from here.
+            # finalizer), the handler leaves the context it took on to the task
+            # that ran it, which ends with it: it cannot be undone from here.
             if attached is not None and asyncio.current_task() is task:
                 otel_context.detach(attached)
             if self._metrics is not None:
