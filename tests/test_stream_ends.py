@@ -12,18 +12,13 @@ from tests.perf.stream_ends import (
     turnovers,
 )
 
-
-def request(stream: int, sent: float, first: float, last: float, end: float) -> Timed:
-    return Timed(stream, sent, first, last, end)
-
-
 # Two streams, two sets: the first ends at 1.000 / 1.010, the second set's first
 # tokens come at 1.050 and 1.060; a third request of a set ends 0.1 s later.
 TIMED = [
-    request(0, 0.0, 0.04, 1.000, 1.001),
-    request(1, 0.0, 0.05, 1.010, 1.014),
-    request(0, 1.001, 1.050, 2.000, 2.0005),
-    request(1, 1.014, 1.060, 2.100, 2.1005),
+    Timed(0, 0.0, 0.04, 1.000, 1.001),
+    Timed(1, 0.0, 0.05, 1.010, 1.014),
+    Timed(0, 1.001, 1.050, 2.000, 2.0005),
+    Timed(1, 1.014, 1.060, 2.100, 2.1005),
 ]
 
 
