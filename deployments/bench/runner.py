@@ -142,7 +142,9 @@ async def run_open_loop(
     limits: Limits,
     on_done: Callable[[RequestRecord], None] = lambda _: None,
 ) -> tuple[list[RequestRecord], float]:
-    """Sends each request at its planned arrival, whether or not others finished."""
+    """Sends each request at its planned arrival, whether or not others finished.
+    A run that ``limits.duration_s`` ends lasts at least that long: the window's
+    last arrivals may finish before it closes, and rates are over the window."""
     records: list[RequestRecord] = []
     tasks: set[asyncio.Task[None]] = set()
     t0 = time.perf_counter()
@@ -152,10 +154,12 @@ async def run_open_loop(
         records.append(rec)
         on_done(rec)
 
+    window = None  # the duration that ended the sending, if it did
     for sent, spec in enumerate(requests):
         if limits.num_requests is not None and sent >= limits.num_requests:
             break
         if limits.duration_s is not None and spec.arrival_s >= limits.duration_s:
+            window = limits.duration_s
             break
         delay = spec.arrival_s - (time.perf_counter() - t0)
         if delay > 0:
@@ -165,4 +169,6 @@ async def run_open_loop(
         task.add_done_callback(tasks.discard)
     if tasks:
         await asyncio.gather(*tasks)
+    while window is not None and (left := window - (time.perf_counter() - t0)) > 0:
+        await asyncio.sleep(left)
     return sorted(records, key=lambda r: r.index), time.perf_counter() - t0
