@@ -25,7 +25,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster import gc_pauses, tracing
 from cluster.config import ClusterConfig
 from deployments.direct import DirectStreams, Endpoint
-from deployments.ingress import grpc_api, kv_warm, openai_api, structured, validation
+from deployments.ingress import (
+    grpc_api,
+    kv_warm,
+    openai_api,
+    structured,
+    telemetry,
+    validation,
+)
 from deployments.ingress.errors import CLIENT_ERRORS, ServiceError, Status, status_of
 from deployments.ingress.frontend import Credential, Frontend, ModelFacts
 from deployments.ingress.grpc_api import MalformedRequest
@@ -219,6 +226,7 @@ class Ingress:
         self._engine = engine
         tracing.install_log_context()
         logging.getLogger("ray.serve").addFilter(ANSWERED_STREAMS)
+        telemetry.access_lines_to_file()
         facts = ModelFacts.from_checkpoint(
             config.model.path, config.model.served_name, config.engine.max_model_len
         )

@@ -137,6 +137,7 @@ def serve_moe_cluster(
     from cluster.config import ClusterConfig
     from deployments.app import deploy, prepare_model
     from deployments.cli import lay_out_cores, trace_settings
+    from deployments.ray_connect import logging_config
 
     config = prepare_model(
         ClusterConfig.model_validate(
@@ -156,7 +157,13 @@ def serve_moe_cluster(
     os.environ.update(config.server.serve_env())
     trace_settings(config)  # as `moe-cluster serve`: OTEL_* in the environment
     print(f"moe-cluster: {lay_out_cores(config)}", flush=True)  # as it, too
-    ray.init(num_cpus=2, include_dashboard=False)
+    # Its logging too: the replicas' INFO lines (the ingress's access line among
+    # them) are written as when it serves.
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        logging_config=logging_config(config.tracing.log_encoding),
+    )
     deploy(config, external_scaler=scalable)
     return config.server.app_name
 
