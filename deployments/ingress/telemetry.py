@@ -11,11 +11,11 @@ carries the request, trace and span ids.
 
 In an ingress replica the access lines, this one and Serve's own (``POST
 /v1/completions 200 303.9ms``), go to the replica's Serve log file only
-(``access_lines_to_file``), as Serve keeps its proxy's: on stderr, Ray's log
-monitor would ship every one of them to the driver's console, which costs the
-node's shared core about 2.5 ms of CPU a request (the ingress's formatting,
-the log monitor, the GCS and the driver; ``tests/perf/s1_profile.py``, one
-stream on 2 cores). Warnings and errors still reach the console.
+(``access_lines_to_file``), as Serve keeps its proxy's. On stderr, Ray's log
+monitor would ship every one of them through the GCS to the driver's console.
+On 2 cores that cost about 2.5 ms of CPU per one-stream request, in the log
+monitor, the GCS and the driver (``tests/perf/s1_profile.py``). Warnings and
+errors still reach the console.
 """
 
 from __future__ import annotations
