@@ -74,6 +74,9 @@ def ingress_options(config: ClusterConfig) -> dict[str, Any]:
         "max_ongoing_requests": INGRESS_MAX_ONGOING_REQUESTS,
         "health_check_period_s": INGRESS_HEALTH_CHECK_S,
         "ray_actor_options": actor,
+        # Its access lines go to Serve's log file (``telemetry``): in the
+        # encoding the cluster logs in.
+        "logging_config": {"encoding": config.tracing.log_encoding},
         # The ingress holds the client streams: stopped, it waits for them as
         # long as the engines' drain and the resumptions after it may take.
         "graceful_shutdown_timeout_s": shutdown_timeout_s(config),

@@ -26,3 +26,12 @@ def test_the_ingress_can_keep_serves_second_thread() -> None:
 
 def test_a_dead_ingress_replica_is_noticed_within_seconds() -> None:
     assert ingress_options(config())["health_check_period_s"] == INGRESS_HEALTH_CHECK_S
+
+
+def test_the_ingress_logs_to_serves_file_in_the_clusters_encoding() -> None:
+    # Its access lines go to Serve's log file (deployments.ingress.telemetry).
+    for encoding in ("TEXT", "JSON"):
+        data = load_config(DEFAULT_CONFIG).model_dump(mode="json")
+        data["tracing"] = (data.get("tracing") or {}) | {"log_encoding": encoding}
+        options = ingress_options(ClusterConfig.model_validate(data))
+        assert options["logging_config"] == {"encoding": encoding}

@@ -4,6 +4,7 @@ the driver's console; its other lines still go to both."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,16 +17,22 @@ from ray.serve._private.common import ServeComponentType
 from ray.serve._private.logging_utils import configure_component_logger
 from ray.serve.schema import LoggingConfig
 
+from cluster import tracing
 from deployments.ingress import telemetry
 from deployments.protocol import EngineRequest, Finish, Sampling
 
 TRACE_ID, SPAN_ID = 0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7
 
 
-@pytest.fixture
-def replica_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Iterator[Path]:
+@pytest.fixture(params=["TEXT", "JSON"])
+def replica_log(
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],  # first: Serve's stream handler writes to it
+) -> Iterator[Path]:
     """Serve's logger as an ingress replica's (its file under ``tmp_path``, and
-    stderr), with the access lines sent to the file only; the file's path."""
+    stderr), in the encoding given, with the access lines sent to the file
+    only; the file's path."""
     serve_logger = logging.getLogger("ray.serve")
     root = logging.getLogger()
     saved = (serve_logger.handlers[:], serve_logger.level, serve_logger.propagate)
@@ -34,11 +41,12 @@ def replica_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Iterator[
     configure_component_logger(
         component_name="moe-cluster_Ingress",
         component_id="abc123",
-        logging_config=LoggingConfig(logs_dir=str(tmp_path)),
+        logging_config=LoggingConfig(logs_dir=str(tmp_path), encoding=request.param),
         component_type=ServeComponentType.REPLICA,
         max_bytes=1 << 20,
         backup_count=1,
     )
+    tracing.install_log_context()  # as the ingress does when it starts
     try:
         assert telemetry.access_lines_to_file()
         [path] = tmp_path.glob("*.log")
@@ -58,14 +66,16 @@ def _request(rid: str) -> EngineRequest:
     return EngineRequest(rid, (1, 2, 3), Sampling(max_tokens=4))
 
 
-def _traced(tel_of: type[telemetry.RequestTelemetry]) -> telemetry.RequestTelemetry:
+def _traced() -> telemetry.RequestTelemetry:
     """A request's telemetry under a caller's (unsampled) trace context."""
     parent = NonRecordingSpan(
         SpanContext(TRACE_ID, SPAN_ID, is_remote=True, trace_flags=TraceFlags(0))
     )
     token = otel_context.attach(trace.set_span_in_context(parent))
     try:
-        return tel_of("text_completion", "tiny", "http", record_metrics=False)
+        return telemetry.RequestTelemetry(
+            "text_completion", "tiny", "http", record_metrics=False
+        )
     finally:
         otel_context.detach(token)
 
@@ -77,11 +87,11 @@ def test_access_lines_go_to_the_file_and_not_to_stderr(
     serve_logger.info(
         "POST /v1/completions 200 3.1ms", extra={"serve_access_log": True}
     )
-    tel = _traced(telemetry.RequestTelemetry)
+    tel = _traced()
     tel.request(_request("r-ok"), stream=True)
     tel.finished(Finish("length", 3, 4, 0, "replica-1"))
     tel.end()
-    failed = _traced(telemetry.RequestTelemetry)
+    failed = _traced()
     failed.request(_request("r-failed"), stream=False)
     failed.failed(RuntimeError("boom"))
     failed.end()
@@ -97,6 +107,10 @@ def test_access_lines_go_to_the_file_and_not_to_stderr(
     assert "failed (RuntimeError)" in failure
     assert f"trace_id={TRACE_ID:032x}" in failure
     assert "a replica's warning" in text
+    if replica_log.read_text().startswith("{"):  # JSON: the ids as fields too
+        record = json.loads(ok)
+        assert record["trace_id"] == f"{TRACE_ID:032x}"
+        assert record["moe_request_id"] == "r-ok"
 
     err = capsys.readouterr().err
     assert "a replica's warning" in err  # the rest still reaches the console
