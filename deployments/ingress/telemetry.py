@@ -86,13 +86,6 @@ class _Metrics:
 _metrics: _Metrics | None = None
 
 
-def _to_a_terminal(handler: logging.Handler) -> bool:
-    """A handler that writes to stderr or stdout (not a file)."""
-    return isinstance(handler, logging.StreamHandler) and not isinstance(
-        handler, logging.FileHandler
-    )
-
-
 def _to_a_file(handler: logging.Handler) -> bool:
     """A handler that writes to a file (Serve's buffers its file's records)."""
     if isinstance(handler, logging.handlers.MemoryHandler):
@@ -100,25 +93,46 @@ def _to_a_file(handler: logging.Handler) -> bool:
     return isinstance(handler, logging.FileHandler)
 
 
-def _not_an_access_line(record: logging.LogRecord) -> bool:
-    return not getattr(record, "serve_access_log", False)
+def _serve_files() -> list[logging.Handler]:
+    return [h for h in logging.getLogger("ray.serve").handlers if _to_a_file(h)]
+
+
+class _AccessLinesOffStderr(logging.Filter):
+    """On Serve's logger: marks its access lines as Serve marks its proxy's,
+    ``log_to_stderr`` False, which its stderr handler drops and its file
+    handler keeps. A logger's filter outlives the handlers Serve replaces when
+    it reconfigures a replica's logging."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "serve_access_log", False):
+            record.log_to_stderr = False
+        return True
+
+
+class _ToServesFile(logging.Handler):
+    """Hands each record to the file handlers Serve's logger has at the time."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        for handler in _serve_files():
+            handler.handle(record)
+
+
+_OFF_STDERR = _AccessLinesOffStderr()
+_TO_SERVES_FILE = _ToServesFile()
 
 
 def access_lines_to_file() -> bool:
-    """In a Serve replica: Serve's access lines (its records marked
-    ``serve_access_log``) and ``access_logger``'s go to the replica's log file
-    only, not to stderr. Returns whether Serve's logger had a file to send them
-    to (outside a replica it has none, and nothing changes)."""
-    serve_logger = logging.getLogger("ray.serve")
-    files = [h for h in serve_logger.handlers if _to_a_file(h)]
-    if not files:
+    """In a Serve replica: Serve's access lines and ``access_logger``'s go to the
+    replica's log file only, not to stderr. Returns whether Serve's logger has
+    a file to send them to (outside a replica it has none, and nothing
+    changes)."""
+    if not _serve_files():
         return False
-    for handler in serve_logger.handlers:
-        if _to_a_terminal(handler):
-            handler.addFilter(_not_an_access_line)
-    for handler in files:
-        if handler not in access_logger.handlers:
-            access_logger.addHandler(handler)
+    serve_logger = logging.getLogger("ray.serve")
+    if _OFF_STDERR not in serve_logger.filters:
+        serve_logger.addFilter(_OFF_STDERR)
+    if _TO_SERVES_FILE not in access_logger.handlers:
+        access_logger.addHandler(_TO_SERVES_FILE)
     access_logger.propagate = False
     return True
 

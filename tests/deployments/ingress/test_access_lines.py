@@ -35,17 +35,15 @@ def replica_log(
     only; the file's path."""
     serve_logger = logging.getLogger("ray.serve")
     root = logging.getLogger()
-    saved = (serve_logger.handlers[:], serve_logger.level, serve_logger.propagate)
+    saved = (
+        serve_logger.handlers[:],
+        serve_logger.filters[:],
+        serve_logger.level,
+        serve_logger.propagate,
+    )
     root_level = root.level
     root.setLevel(logging.INFO)  # as Ray's logging config sets it in a worker
-    configure_component_logger(
-        component_name="moe-cluster_Ingress",
-        component_id="abc123",
-        logging_config=LoggingConfig(logs_dir=str(tmp_path), encoding=request.param),
-        component_type=ServeComponentType.REPLICA,
-        max_bytes=1 << 20,
-        backup_count=1,
-    )
+    _configure(tmp_path, request.param)
     tracing.install_log_context()  # as the ingress does when it starts
     try:
         assert telemetry.access_lines_to_file()
@@ -55,11 +53,25 @@ def replica_log(
         for handler in serve_logger.handlers:
             handler.close()
         serve_logger.handlers[:] = saved[0]
-        serve_logger.setLevel(saved[1])
-        serve_logger.propagate = saved[2]
+        serve_logger.filters[:] = saved[1]
+        serve_logger.setLevel(saved[2])
+        serve_logger.propagate = saved[3]
         telemetry.access_logger.handlers.clear()
         telemetry.access_logger.propagate = True
         root.setLevel(root_level)
+
+
+def _configure(logs: Path, encoding: str) -> None:
+    """Serve's logging of a replica, as Serve sets it up (and again when it
+    reconfigures the replica)."""
+    configure_component_logger(
+        component_name="moe-cluster_Ingress",
+        component_id="abc123",
+        logging_config=LoggingConfig(logs_dir=str(logs), encoding=encoding),
+        component_type=ServeComponentType.REPLICA,
+        max_bytes=1 << 20,
+        backup_count=1,
+    )
 
 
 def _request(rid: str) -> EngineRequest:
@@ -80,10 +92,14 @@ def _traced() -> telemetry.RequestTelemetry:
         otel_context.detach(token)
 
 
+@pytest.mark.parametrize("reconfigured", [False, True])
 def test_access_lines_go_to_the_file_and_not_to_stderr(
-    replica_log: Path, capsys: pytest.CaptureFixture[str]
+    replica_log: Path, capsys: pytest.CaptureFixture[str], reconfigured: bool
 ) -> None:
     serve_logger = logging.getLogger("ray.serve")
+    if reconfigured:  # Serve replaced its handlers (a new logging config)
+        encoding = "JSON" if replica_log.read_text().startswith("{") else "TEXT"
+        _configure(replica_log.parent, encoding)
     serve_logger.info(
         "POST /v1/completions 200 3.1ms", extra={"serve_access_log": True}
     )
@@ -120,11 +136,12 @@ def test_access_lines_go_to_the_file_and_not_to_stderr(
 
 def test_outside_a_replica_nothing_changes() -> None:
     serve_logger = logging.getLogger("ray.serve")
-    saved = serve_logger.handlers[:]
+    saved = serve_logger.handlers[:], serve_logger.filters[:]
     serve_logger.handlers[:] = [logging.StreamHandler()]
     try:
         assert not telemetry.access_lines_to_file()
         assert telemetry.access_logger.propagate
-        assert not serve_logger.handlers[0].filters
+        assert not telemetry.access_logger.handlers
+        assert serve_logger.filters == saved[1]
     finally:
-        serve_logger.handlers[:] = saved
+        serve_logger.handlers[:], serve_logger.filters[:] = saved
