@@ -251,13 +251,19 @@ def test_without_a_traceparent_the_proxy_starts_the_trace(served: Served) -> Non
 def test_log_lines_carry_the_request_and_its_trace(served: Served) -> None:
     """The ingress's access line for a request names its request, trace and span
     ids, so a log search by trace id finds it. It is in the ingress replica's
-    Serve log file, not on the stderr that Ray ships to the driver's console."""
+    Serve log file, not on the stderr that Ray ships to the driver's console;
+    so is Serve's own access line for the request."""
     import ray
 
     header, trace_id, _ = traceparent()
+    serve_id = secrets.token_hex(8)  # Serve's request id, in its access line
     r = httpx.post(
         f"{served.http_base}/v1/completions",
-        headers={"Authorization": f"Bearer {served.api_key}", "traceparent": header},
+        headers={
+            "Authorization": f"Bearer {served.api_key}",
+            "traceparent": header,
+            "x-request-id": serve_id,
+        },
         json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2},
         timeout=60,
     )
@@ -267,21 +273,33 @@ def test_log_lines_carry_the_request_and_its_trace(served: Served) -> None:
     request = one(spans, "text_completion")
     logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
 
-    def lines() -> list[tuple[Path, str]]:
+    def lines(*parts: str) -> list[tuple[Path, str]]:
         found = []
         for path in logs.rglob("*"):
             if not path.is_file() or path.suffix not in (".log", ".out", ".err"):
                 continue
             for text in path.read_text(errors="replace").splitlines():
-                if f"request {rid} " in text and trace_id in text:
+                if all(part in text for part in parts):
                     found.append((path, text))
         return found
 
     from tests.waiting import wait_until
 
-    [(path, found)] = wait_until(lines, timeout=30, what="the request's access line")
+    [(path, found)] = wait_until(
+        lambda: lines(f"request {rid} ", trace_id),
+        timeout=30,
+        what="the request's access line",
+    )
     assert f"span_id={request.span_id}" in found
     assert path.parent.name == "serve" and "Ingress" in path.name
+    # Serve's proxy writes one too (where Serve's proxy serves), to its file.
+    serves = wait_until(
+        lambda: lines(serve_id, "POST /v1/completions 200"),
+        timeout=30,
+        what="Serve's access line for the request",
+    )
+    assert all(path.parent.name == "serve" for path, _ in serves), serves
+    assert any("Ingress" in path.name for path, _ in serves), serves
 
 
 def test_pages_loaded_from_the_store_are_in_the_trace(served: Served) -> None:
