@@ -28,6 +28,7 @@ from router.core import RouterCore
 from router.metrics import RouterMetrics
 from router.service import RouterService
 from router.settings import CoreSettings
+from router.shed_log import ShedLog
 from router.stats import RouterStats
 from router.types import (
     Outcome,
@@ -66,6 +67,7 @@ class DeepSeekRouter:
         self._stores_of = stores_of
         self._config = config
         self._metrics = RouterMetrics()
+        self._shed_log = ShedLog(logger)
         self._service = RouterService(
             RouterCore(
                 CoreSettings.of(config), num_experts=num_experts, clock=time.monotonic
@@ -112,7 +114,7 @@ class DeepSeekRouter:
                 span.set_attribute(A.SHED_REASON, e.reason)
                 span.add_event("shed", {A.SHED_REASON: e.reason, "message": str(e)})
                 tracing.fail(span, e, f"shed:{e.reason}")
-                logger.info("shed %s (%s): %s", ticket.request_id, qos, e)
+                self._shed_log.shed(ticket.request_id, qos, e)
                 return e
             span.set_attributes(
                 {
@@ -293,6 +295,7 @@ class DeepSeekRouter:
     async def _export_metrics(self) -> None:
         async def step() -> None:
             self._metrics.export(self._service.snapshot())
+            self._shed_log.tick()
 
         await every(
             METRICS_INTERVAL_S, step, what="router metrics export", logger=logger
