@@ -200,6 +200,7 @@ def _settled(served: Served) -> dict[str, float]:
 
     interval_s = max(ray._config.metrics_report_interval_ms(), 1000) / 1000 + 1
     last = _engine_requests(served)
+    seen = [last]  # every reading, for the message if they never settle
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         time.sleep(interval_s)
@@ -207,7 +208,8 @@ def _settled(served: Served) -> dict[str, float]:
         if now == last:
             return now
         last = now
-    raise AssertionError(f"Serve's request counts never settled: {last}")
+        seen.append(now)
+    raise AssertionError(f"Serve's request counts never settled: {seen}")
 
 
 def test_serve_counts_each_request_once_direct_or_not(served: Served) -> None:
