@@ -1,5 +1,5 @@
-"""Direct streams (``server.engine_transport: direct``): an engine replica's gRPC
-server and the ingress's client, over a real socket, on a scripted engine."""
+"""Direct streams (``server.engine_transport: direct``): an engine replica's socket
+and the ingress's client, over a real connection, on a scripted engine."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import asyncio
 import dataclasses
 import logging
 import pickle
+import ssl
+import struct
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 from ray.serve.exceptions import RequestCancelledError
 
@@ -128,23 +129,59 @@ async def test_an_endpoint_from_another_replica_is_not_kept() -> None:
     await stop(server)
 
 
-async def raw_frames(server: EngineServer, body: bytes, token: str = "") -> list[bytes]:
-    """The frames of one call to ``server``'s direct endpoint, as sent; with its
-    own token unless ``token`` is given."""
+HEAD = struct.Struct(">II")
+
+
+def frame(stream: int, payload: bytes) -> bytes:
+    return HEAD.pack(len(payload), stream) + payload
+
+
+async def read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    length, stream = HEAD.unpack(await reader.readexactly(HEAD.size))
+    return stream, await reader.readexactly(length)
+
+
+async def connect(
+    endpoint: Endpoint, token: str = "", context: ssl.SSLContext | None = None
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A raw connection to ``endpoint``, opened with its token (or ``token``)."""
+    host, _, port = endpoint.address.rpartition(":")
+    reader, writer = await asyncio.open_connection(host, int(port), ssl=context)
+    writer.write(frame(0, b"H" + (token or endpoint.token).encode()))
+    return reader, writer
+
+
+async def raw_frames(server: EngineServer, req: EngineRequest) -> list[bytes]:
+    """The frames (tag and body) of one stream from ``server``, as sent, up to
+    its handler's end (``D``)."""
     endpoint = await server.direct_endpoint()
     assert endpoint is not None
-    async with grpc.aio.insecure_channel(endpoint.address) as channel:
-        call = channel.unary_stream(direct.GENERATE)(
-            body, metadata=((direct.TOKEN_KEY, token or endpoint.token),)
-        )
-        return [bytes(frame) async for frame in call]
+    reader, writer = await connect(endpoint)
+    assert await read_frame(reader) == (0, b"H")
+    writer.write(frame(1, b"O" + pickle.dumps((req, "", {}))))
+    frames = []
+    while (got := await read_frame(reader))[1] != b"D":
+        assert got[0] == 1
+        frames.append(got[1])
+    writer.close()
+    return frames
 
 
-async def test_a_call_without_the_token_is_refused_before_it_is_read() -> None:
-    server = await start(direct_config(), FakeAsyncLLM(list(STEPS)))
-    with pytest.raises(grpc.aio.AioRpcError) as e:
-        await raw_frames(server, b"not a pickle", token="guess")
-    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+async def test_a_connection_without_the_token_is_dropped_before_it_is_read(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    llm = FakeAsyncLLM(list(STEPS))
+    server = await start(direct_config(), llm)
+    endpoint = await server.direct_endpoint()
+    assert endpoint is not None
+    with caplog.at_level(logging.WARNING, "moe_cluster.direct"):
+        reader, writer = await connect(endpoint, token="guess")
+        writer.write(frame(1, b"O" + pickle.dumps((request(), "", {}))))
+        assert await reader.read() == b""  # closed, unanswered
+    writer.close()
+    assert "without the token" in caplog.text
+    await asyncio.sleep(0.05)
+    assert llm.calls == []  # its request never reached the engine
     await stop(server)
 
 
@@ -161,33 +198,29 @@ async def test_under_rays_tls_streams_are_encrypted_both_ends_certified(
     seen = [e async for e in stream]
     assert seen[0] == Started("replica-a") and isinstance(seen[-1], Finish)
 
-    ca = Path(env["RAY_TLS_CA_CERT"]).read_bytes()
+    ca = env["RAY_TLS_CA_CERT"]
     stranger = write_certs(tmp_path / "other", "another-ca")  # another CA's node
+    no_certificate = ssl.create_default_context(cafile=ca)
+    another_ca = ssl.create_default_context(cafile=ca)
+    another_ca.load_cert_chain(
+        stranger["RAY_TLS_SERVER_CERT"], stranger["RAY_TLS_SERVER_KEY"]
+    )
     callers = {
-        "plaintext": grpc.aio.insecure_channel(endpoint.address),
-        "no certificate": grpc.aio.secure_channel(
-            endpoint.address, grpc.ssl_channel_credentials(root_certificates=ca)
-        ),
-        "another CA's certificate": grpc.aio.secure_channel(
-            endpoint.address,
-            grpc.ssl_channel_credentials(
-                root_certificates=ca,
-                private_key=Path(stranger["RAY_TLS_SERVER_KEY"]).read_bytes(),
-                certificate_chain=Path(stranger["RAY_TLS_SERVER_CERT"]).read_bytes(),
-            ),
-        ),
+        "plaintext": None,
+        "no certificate": no_certificate,
+        "another CA's certificate": another_ca,
     }
-    for caller, channel in callers.items():
-        call = channel.unary_stream(direct.GENERATE)(
-            pickle.dumps(request("r9")),
-            metadata=((direct.TOKEN_KEY, endpoint.token),),  # even with the token
-            timeout=5,
-        )
-        with pytest.raises(grpc.aio.AioRpcError) as e:
-            async for _ in call:
-                pass
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE, caller
-        await channel.close()
+    for caller, context in callers.items():
+        # Even with the token, the connection is refused: no answer to it.
+        with pytest.raises(
+            (ConnectionError, ssl.SSLError, asyncio.IncompleteReadError)
+        ):
+            reader, writer = await connect(endpoint, context=context)
+            try:
+                await asyncio.wait_for(read_frame(reader), 5)
+            finally:
+                writer.close()
+        assert server._direct is not None and server._direct.in_flight == 0, caller
     await streams.close()
     await stop(server)
 
@@ -305,25 +338,78 @@ async def test_a_replica_gone_fails_the_stream_and_is_forgotten() -> None:
     await stop(server)
 
 
-async def test_a_failure_of_one_call_keeps_the_replicas_channel() -> None:
+async def test_a_replica_lost_mid_stream_fails_its_streams_and_is_forgotten() -> None:
+    hold = asyncio.Event()
+    server = await start(direct_config(), FakeAsyncLLM(list(STEPS), hold=hold))
+    streams = await streams_to(server)
+    opened = [streams.open(request(f"r{i}"), {}) for i in range(2)]
+    firsts = []
+    for stream in opened:
+        assert stream is not None
+        events = aiter(stream)
+        assert await anext(events) == Started("replica-a")
+        firsts.append(events)
+    assert server._direct is not None
+    for connection in list(server._direct._connections):
+        connection.writer.transport.abort()  # as when its node went away
+    for events in firsts:
+        with pytest.raises(DirectStreamFailed, match="replica-a: UNAVAILABLE"):
+            async for _ in events:
+                pass
+    assert streams.known() == []
+    await streams.close()
+    hold.set()
+    await stop(server)
+
+
+async def test_a_stale_token_fails_the_stream_and_its_endpoint_is_asked_again() -> None:
     server = await start(direct_config(), FakeAsyncLLM(list(STEPS)))
     streams = await streams_to(server)
     endpoint = await server.direct_endpoint()
     assert endpoint is not None
-    # A call its replica refuses (here: without its token) fails alone.
-    streams._known["replica-a"] = (
-        dataclasses.replace(endpoint, token="stale"),
-        streams._known["replica-a"][1],
-    )
+    stale = dataclasses.replace(endpoint, token="stale")  # a restarted replica's
+    streams._known["replica-a"] = (stale, direct._Channel(stale, None))
     stream = streams.open(request(), {})
     assert stream is not None
-    with pytest.raises(DirectStreamFailed, match="PERMISSION_DENIED"):
+    with pytest.raises(DirectStreamFailed, match="did not take the connection"):
         async for _ in stream:
             pass
-    await asyncio.sleep(0.05)
-    assert streams.known() == ["replica-a"]
+    assert streams.known() == []
+    assert streams.open(request(), {}) is None  # asked for again
+    await until(lambda: streams.known() == ["replica-a"], "the endpoint again")
+    stream = streams.open(request("r2"), {})
+    assert stream is not None
+    assert isinstance([e async for e in stream][-1], Finish)
     await streams.close()
     await stop(server)
+
+
+async def test_a_stopping_replica_opens_no_new_streams() -> None:
+    hold = asyncio.Event()
+    server = direct.DirectServer("replica-a", held_generate(hold), "127.0.0.1")
+    endpoint = await server.start()
+
+    async def ask(replica_id: str) -> Endpoint | None:
+        return endpoint
+
+    streams = DirectStreams(ask)
+    streams.open(request(), {})
+    await until(lambda: streams.known() == ["replica-a"], "the endpoint")
+    running = streams.open(request("r1"), {})
+    assert running is not None
+    events = aiter(running)
+    assert await anext(events) == Started("replica-a")
+    stopping = asyncio.create_task(server.stop(5))
+    await asyncio.sleep(0.05)
+    late = streams.open(request("r2"), {})
+    assert late is not None
+    with pytest.raises(DirectStreamFailed, match="UNAVAILABLE it is stopping"):
+        async for _ in late:
+            pass
+    hold.set()  # the running stream still ends as it would
+    assert isinstance([e async for e in events][-1], Finish)
+    await asyncio.wait_for(stopping, 5)
+    await streams.close()
 
 
 async def test_shutdown_waits_for_direct_streams_and_hands_off_the_rest() -> None:
@@ -509,7 +595,7 @@ async def test_the_last_tokens_travel_in_one_message_with_the_finish() -> None:
     # The engine marks the delta its Finish follows at once; the wire carries
     # the two as one message, and the ingress yields them as two events.
     server = await start(direct_config(), FakeAsyncLLM(list(STEPS)))
-    frames = await raw_frames(server, pickle.dumps(request()))
+    frames = await raw_frames(server, request())
     assert [f[:1] for f in frames] == [b"E", b"E", b"E", b"M"]
     last, finish = pickle.loads(frames[-1][1:])
     assert last == TokenDelta((3,), "c", finishing=True)
@@ -570,12 +656,7 @@ async def test_a_stream_closed_from_another_task_leaves_no_context_error(
 
     server = direct.DirectServer("replica-a", generate, "127.0.0.1")
     traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-
-    class Context:
-        def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-            return ((direct.TOKEN_KEY, server._token), ("traceparent", traceparent))
-
-    handler = server._handle(pickle.dumps(request()), Context())  # type: ignore[arg-type]
+    handler = server._frames(request(), {"traceparent": traceparent})
     first = await asyncio.create_task(handler.__anext__())  # type: ignore[arg-type]
     assert pickle.loads(first[1:]) == Started("replica-a")
     assert server.in_flight == 1
@@ -583,3 +664,14 @@ async def test_a_stream_closed_from_another_task_leaves_no_context_error(
         await asyncio.create_task(handler.aclose())  # type: ignore[arg-type]
     assert server.in_flight == 0
     assert not [r for r in caplog.records if "detach" in r.getMessage()]
+
+
+def held_generate(hold: asyncio.Event) -> Any:
+    """A replica's ``generate``: Started, then its Finish once ``hold`` is set."""
+
+    async def generate(req: EngineRequest) -> AsyncIterator[Any]:
+        yield Started("replica-a")
+        await hold.wait()
+        yield Finish("length", 3, 3, 0, "replica-a")
+
+    return generate
