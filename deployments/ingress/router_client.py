@@ -24,6 +24,7 @@ actors dead.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -167,8 +168,14 @@ class RouterClient:
         """Calls ``on_lost`` with the replicas the router drops for silence,
         from now on (started once, on the running loop)."""
         if self._watching is None:
+            # A context of its own, not the first request's: Serve ties the Ray
+            # calls made in a request's context to that request, and cancels
+            # them with it (a client that hangs up), which cut the watch's
+            # call in flight.
             loop = asyncio.get_running_loop()
-            self._watching = loop.create_task(self._watch_lost(on_lost))
+            self._watching = loop.create_task(
+                self._watch_lost(on_lost), context=contextvars.Context()
+            )
 
     async def _watch_lost(self, on_lost: Callable[[list[str]], None]) -> None:
         from ray.exceptions import ActorDiedError, ActorUnavailableError

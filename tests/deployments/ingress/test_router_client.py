@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import Callable
 from typing import Any
 
@@ -179,6 +180,27 @@ def test_lost_replicas_are_followed_through_a_router_restart() -> None:
         # The call after the last answer is made once the loop runs again.
         await until(lambda: len(asked()) >= 5, "the next call")
         assert asked()[:5] == [-1, 0, 0, 1, 3]
+
+    asyncio.run(run())
+
+
+def test_the_lost_replicas_watch_runs_outside_the_request_that_starts_it() -> None:
+    request = contextvars.ContextVar("request", default="")
+
+    async def run() -> None:
+        router = FakeRouter()
+        seen: list[str] = []
+
+        async def lost_replicas(since: int, wait_s: float) -> Any:
+            seen.append(request.get())
+            return await asyncio.Event().wait()
+
+        router.lost_replicas = _Method(lost_replicas)  # type: ignore[attr-defined]
+        c = client(router)
+        request.set("the first request")  # as Serve's request context is set
+        c.watch_lost(lambda lost: None)
+        await until(lambda: seen, "the watch's call")
+        assert seen == [""]
 
     asyncio.run(run())
 
