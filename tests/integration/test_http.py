@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -10,7 +11,8 @@ import openai
 import pytest
 
 from cluster.tiny_model import greedy_chain, greedy_successors
-from tests.integration.conftest import Served
+from tests.integration.conftest import Served, engine_stats
+from tests.waiting import wait_until
 
 MODEL = "tiny-deepseek-v2"
 
@@ -116,3 +118,38 @@ def test_a_request_id_is_free_again_once_answered(served: Served) -> None:
         )
         assert r.status_code == 200, r.text
         assert r.text.endswith("data: [DONE]\n\n") if stream else r.json()["usage"]
+
+
+def test_a_client_that_hangs_up_mid_stream_frees_the_engine_slot(
+    served: Served, engine_handle: Any
+) -> None:
+    """The client closes its connection while tokens still stream: the engine
+    drops the request (Serve cancels the ingress's handler, and the engine
+    stream with it), rather than generating the rest for nobody. The rest is
+    1,900 tokens, 5 s or more at this CPU engine's pace; the request must be
+    gone within 2 s."""
+    rid = "hang-up-1"
+    body = {
+        "model": MODEL,
+        "prompt": "hang up",
+        "max_tokens": 1900,
+        "ignore_eos": True,
+        "stream": True,
+        "request_id": rid,
+    }
+    headers = {"Authorization": f"Bearer {served.api_key}"}
+
+    def holds() -> bool:
+        return any(rid in s.request_ids for s in engine_stats(engine_handle).values())
+
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream(
+            "POST", f"{served.http_base}/v1/completions", json=body, headers=headers
+        ) as r,
+    ):
+        assert r.status_code == 200
+        assert next(r.iter_lines()).startswith("data: ")  # streaming
+        assert holds()
+        # Leaving the block closes the response and the connection.
+    wait_until(lambda: not holds(), 2, "the engine to drop it")
