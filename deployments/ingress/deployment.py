@@ -145,17 +145,6 @@ async def _collect(
 _DONE = openai_api.sse("[DONE]")
 
 
-class _EventStream(StreamingResponse):
-    """A streamed answer, written as it comes. Starlette's own response also
-    listens for the client's disconnect, on a task group with a task of its own
-    beside the writer's, for every request. Serve already listens (its replica
-    behind HAProxy, its proxy otherwise) and cancels the handler when the client
-    leaves, which ends the stream here and aborts the engine's request."""
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await self.stream_response(send)
-
-
 async def _sse(
     shape: openai_api.ResponseShape,
     first: EngineEvent,
@@ -539,7 +528,7 @@ class Ingress:
             first = await _first_output(events)
             if req.stream:
                 streaming = True  # the stream ends the span
-                return _EventStream(
+                return StreamingResponse(
                     _sse(shape, first, events, req.include_usage()),
                     media_type="text/event-stream",
                 )
