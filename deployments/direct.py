@@ -294,6 +294,8 @@ class DirectServer:
                     raise ConnectionError(f"unknown frame {tag!r}")
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, OSError):
             pass  # the ingress went away, or spoke nonsense: drop it
+        except asyncio.CancelledError:
+            pass  # the loop is closing: asyncio's stream callback would log it
         finally:
             self._connections.discard(connection)
             for task in connection.streams.values():
