@@ -120,6 +120,7 @@ MAX_FRAME_BYTES = 256 << 20
 CHANNELS_KEPT = 256
 ASK_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 10.0  # a connection, its TLS handshake and its token's answer
+HELLO_MAX_BYTES = 1024  # a connection's first frame (its token), before it is trusted
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,9 +142,11 @@ def _frame(stream: int, payload: bytes) -> bytes:
     return _HEAD.pack(len(payload), stream) + payload
 
 
-async def _read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+async def _read_frame(
+    reader: asyncio.StreamReader, limit: int = MAX_FRAME_BYTES
+) -> tuple[int, bytes]:
     length, stream = _HEAD.unpack(await reader.readexactly(_HEAD.size))
-    if not 0 < length <= MAX_FRAME_BYTES:
+    if not 0 < length <= limit:
         raise ConnectionError(f"a frame of {length} bytes")
     return stream, await reader.readexactly(length)
 
@@ -307,7 +310,9 @@ class DirectServer:
     ) -> bool:
         """Whether the connection opened with this replica's token (answered);
         anything else is dropped before another frame is read."""
-        stream, payload = await asyncio.wait_for(_read_frame(reader), CONNECT_TIMEOUT_S)
+        stream, payload = await asyncio.wait_for(
+            _read_frame(reader, HELLO_MAX_BYTES), CONNECT_TIMEOUT_S
+        )
         token = payload[1:] if payload[:1] == _HELLO and stream == 0 else b""
         if not hmac.compare_digest(token, self._token.encode()):
             peer = writer.get_extra_info("peername")

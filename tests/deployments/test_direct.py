@@ -185,6 +185,18 @@ async def test_a_connection_without_the_token_is_dropped_before_it_is_read(
     await stop(server)
 
 
+async def test_a_connection_whose_first_frame_is_large_is_dropped_unread() -> None:
+    server = await start(direct_config(), FakeAsyncLLM(list(STEPS)))
+    endpoint = await server.direct_endpoint()
+    assert endpoint is not None
+    host, _, port = endpoint.address.rpartition(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(HEAD.pack(64 << 20, 0))  # "a token" of 64 MiB, not sent
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # dropped at once
+    writer.close()
+    await stop(server)
+
+
 async def test_under_rays_tls_streams_are_encrypted_both_ends_certified(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
