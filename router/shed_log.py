@@ -14,6 +14,7 @@ many were held back once the window is over.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import time
 from collections import Counter
@@ -62,7 +63,10 @@ class ShedLog:
             parts = ", ".join(
                 f"{qos} {reason} {n}" for (qos, reason), n in sorted(self._held.items())
             )
-            self._logger.info(
+            # Outside any request's context: the line is about many, and the
+            # request whose shed ended the window would lend it its ids.
+            contextvars.Context().run(
+                self._logger.info,
                 "shed %d more requests within %g s without a line each (%s)",
                 sum(self._held.values()),
                 self._window_s,

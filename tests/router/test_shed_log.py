@@ -84,3 +84,28 @@ def test_the_next_window_starts_with_lines_of_its_own_again(
         "shed 2 more requests within 10 s without a line each (normal queue-full 2)",
         "shed b0 (realtime): refused: deadline",
     ]
+
+
+def test_the_summary_line_carries_no_requests_ids(
+    log: tuple[ShedLog, Clock], caplog: pytest.LogCaptureFixture
+) -> None:
+    from cluster import tracing
+
+    shed_log, clock = log
+    for i in range(4):
+        shed_log.shed(f"a{i}", "normal", _shed())
+    clock.now += 10.0
+    tracing.REQUEST_ID.set("b0")  # the request whose shed ends the window
+    records: list[str] = []
+
+    class Seen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(tracing.REQUEST_ID.get())
+
+    handler = Seen()
+    logging.getLogger("test.shed").addHandler(handler)
+    try:
+        shed_log.shed("b0", "normal", _shed())
+    finally:
+        logging.getLogger("test.shed").removeHandler(handler)
+    assert records == ["", "b0"]  # the summary, then b0's own line
