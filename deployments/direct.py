@@ -453,7 +453,11 @@ class _Channel:
         if self._writer is not None and not self._writer.is_closing():
             return self._writer
         if self._connecting is None or self._connecting.done():
-            self._connecting = asyncio.ensure_future(self._connect())
+            # A context of its own, not the first stream's request's: the
+            # connection, and the task that reads it, serve every stream after.
+            self._connecting = asyncio.get_running_loop().create_task(
+                self._connect(), context=contextvars.Context()
+            )
         return await asyncio.shield(self._connecting)
 
     async def _connect(self) -> asyncio.StreamWriter:

@@ -398,15 +398,7 @@ async def test_a_stale_token_fails_the_stream_and_its_endpoint_is_asked_again() 
 
 async def test_a_stopping_replica_opens_no_new_streams() -> None:
     hold = asyncio.Event()
-    server = direct.DirectServer("replica-a", held_generate(hold), "127.0.0.1")
-    endpoint = await server.start()
-
-    async def ask(replica_id: str) -> Endpoint | None:
-        return endpoint
-
-    streams = DirectStreams(ask)
-    streams.open(request(), {})
-    await until(lambda: streams.known() == ["replica-a"], "the endpoint")
+    server, streams = await serving(held_generate(hold), _Recorded())
     running = streams.open(request("r1"), {})
     assert running is not None
     events = aiter(running)
