@@ -557,19 +557,19 @@ class DirectStream:
         self._cancelled = False
         self._stream: int | None = None
         self._inbox: asyncio.Queue[_Item] | None = None
-        self._channel: _Channel | None = channel
-        self._link = channel
+        self._channel = channel
+        self._counted = True  # among the channel's streams until it ends
         channel.streams += 1
 
     def _ended(self) -> None:
-        channel, self._channel = self._channel, None
-        if channel is not None:
-            channel.ended()
+        if self._counted:
+            self._counted = False
+            self._channel.ended()
 
     def cancel(self) -> None:
         self._cancelled = True
         if self._stream is not None:
-            self._link.cancel(self._stream)
+            self._channel.cancel(self._stream)
         if self._inbox is not None:
             self._inbox.put_nowait(_CANCELLED)
         self._ended()
@@ -588,7 +588,7 @@ class DirectStream:
             if self._cancelled:
                 raise RequestCancelledError()
             try:
-                self._stream, self._inbox = await self._link.open(self._body)
+                self._stream, self._inbox = await self._channel.open(self._body)
             except (OSError, ConnectionError, TimeoutError) as e:
                 raise self._failed(f"cannot connect: {e}") from None
             while True:
@@ -619,9 +619,9 @@ class DirectStream:
         finally:
             if self._stream is not None:
                 if last:
-                    self._link.finished(self._stream)
+                    self._channel.finished(self._stream)
                 else:  # given up before its end: the replica stops it
-                    self._link.cancel(self._stream)
+                    self._channel.cancel(self._stream)
             self._ended()
 
 

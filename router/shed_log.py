@@ -43,8 +43,7 @@ class ShedLog:
         """One shed request: a line of its own while the window has room."""
         now = self._clock()
         if self._window_start is None or now - self._window_start >= self._window_s:
-            self._end_window(now)
-            self._window_start = now
+            self._end_window(now)  # and the next one starts now
         if self._logged < self._burst:
             self._logged += 1
             self._logger.info("shed %s (%s): %s", request_id, qos, e)
